@@ -1,0 +1,81 @@
+"""Tiny, seeded, offline targets for tests, dry runs and examples (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "What is 12 plus 30? The answer is 42.",
+    "Translate into French: good morning, my friend.",
+    "Summarize the following passage in one sentence.",
+    "Speculative decoding drafts tokens and the target verifies them in one forward pass.",
+]
+
+
+def tiny_tokenizer(chat_template: bool = True, vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained on a few sentences, with ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>",
+        pad_token="<|endoftext|>", unk_token="<|endoftext|>",
+    )
+    if chat_template:
+        fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def tiny_llama_config(vocab_size: int, **overrides):
+    from transformers import LlamaConfig
+
+    kw = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def save_tiny_llama(out: str | Path, seed: int = 0, chat_template: bool = True, **config_overrides) -> Path:
+    """Write a random tiny Llama model + tokenizer as a HF model directory."""
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out)
+    tok = tiny_tokenizer(chat_template=chat_template)
+    torch.manual_seed(seed)
+    cfg = tiny_llama_config(len(tok), **config_overrides)
+    model = AutoModelForCausalLM.from_config(cfg)
+    # larger-than-default weights make the random model's argmax depend on context
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
