@@ -1,0 +1,70 @@
+"""Draft heads: plain nn.Modules with typed configs, saved as head directories."""
+
+from __future__ import annotations
+
+import os
+
+from draftheads.errors import DraftheadsError
+from draftheads.heads.base import build_config, read_head_dir, save_head_dir
+from draftheads.heads.eagle import EagleConfig, EagleHead
+from draftheads.heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
+from draftheads.heads.layers import LayerSpec
+from draftheads.heads.medusa import MedusaConfig, MedusaHeads
+
+HEAD_TYPES = {
+    "medusa": (MedusaConfig, MedusaHeads),
+    "eagle": (EagleConfig, EagleHead),
+    "eagle3": (Eagle3Config, Eagle3Head),
+}
+
+__all__ = [
+    "HEAD_TYPES", "EagleConfig", "EagleHead", "Eagle3Config", "Eagle3Head", "LayerSpec", "MedusaConfig",
+    "MedusaHeads", "default_aux_layer_ids", "load_head", "save_head", "check_head_fits_target",
+]
+
+
+def save_head(head, out: str | os.PathLike, extra: dict | None = None):
+    return save_head_dir(out, head.head_type, head.config, head.state_dict(), extra)
+
+
+def load_head(path: str | os.PathLike):
+    """Load a head directory -> (module in eval mode, metadata dict)."""
+    meta, weights = read_head_dir(path)
+    kind = meta["head_type"]
+    if kind not in HEAD_TYPES:
+        raise DraftheadsError(f"{path}: head_type {kind!r} is unknown: expected one of {sorted(HEAD_TYPES)}")
+    config_cls, module_cls = HEAD_TYPES[kind]
+    head = module_cls(build_config(config_cls, meta["config"], f"{path}/config.json"))
+    missing, unexpected = head.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise DraftheadsError(
+            f"{path}: weights do not match a {kind} head (missing {missing[:4]}, unexpected {unexpected[:4]}): "
+            "the directory is corrupt or from another version; re-export it"
+        )
+    return head.eval(), meta
+
+
+def check_head_fits_target(head, info) -> None:
+    """One clear error when a head was built for another target."""
+    c = head.config
+    if c.hidden_size != info.hidden_size and getattr(c, "target_hidden_size", c.hidden_size) != info.hidden_size:
+        raise DraftheadsError(
+            f"{head.head_type} head has hidden size {c.hidden_size} but target {info.name} has "
+            f"{info.hidden_size}: use a head trained for this target"
+        )
+    if getattr(c, "target_hidden_size", None) not in (None, info.hidden_size):
+        raise DraftheadsError(
+            f"eagle3 head expects target hidden size {c.target_hidden_size} but target {info.name} has "
+            f"{info.hidden_size}: use a head trained for this target"
+        )
+    if c.vocab_size != info.vocab_size:
+        raise DraftheadsError(
+            f"{head.head_type} head has vocab size {c.vocab_size} but target {info.name} has "
+            f"{info.vocab_size}: use a head trained for this target's tokenizer"
+        )
+    ids = getattr(c, "aux_layer_ids", ())
+    if ids and (max(ids) > info.num_layers or min(ids) < 0):
+        raise DraftheadsError(
+            f"eagle3 aux_layer_ids {list(ids)} fall outside 0..{info.num_layers} of target {info.name}: "
+            "retrain with ids valid for this target"
+        )

@@ -1,0 +1,134 @@
+"""EAGLE-3 draft head with training-time test (TTT).
+
+Features from three target layers (HF hidden-state ids, default ``(2, L//2, L-3)``) are concatenated
+and fused by ``fc`` (3H -> H, no bias) into g_t. Decoder layer 0 attends over
+``cat(input_layernorm(embed(x_{t+1})), hidden_norm(g_t))`` (2H) with g_t as its residual; a final
+``norm`` and an own ``lm_head`` over a draft vocabulary (``d2t``/``t2d``) give logits. The layer's
+pre-norm output is the hidden input of the next drafting step.
+
+Step j (0-based) at position t reads embed(x_{t+1+j}) and predicts x_{t+2+j}; its position id is t+j.
+During training, step j attends to step 0's keys causally (the target-feature prefix) and to steps
+1..j's keys of the same position only (the diagonal) -- exactly what a draft sees at inference time
+after drafting j tokens on top of a real prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from draftheads.errors import DraftheadsError
+from draftheads.heads.layers import DraftDecoderLayer, LayerSpec, RMSNorm, Rotary
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass
+class Eagle3Config:
+    layer: LayerSpec
+    """Shape of the draft decoder layer."""
+    vocab_size: int
+    """Target vocabulary size."""
+    draft_vocab_size: int
+    """Size of the draft vocabulary (own lm_head rows)."""
+    aux_layer_ids: tuple[int, ...] = field(default=())
+    """HF hidden-state ids of the target layers read (vLLM's eagle_aux_hidden_state_layer_ids)."""
+    target_hidden_size: int | None = None
+    """Target hidden size (defaults to the draft layer's)."""
+    ttt_steps: int = 7
+    """Training-time-test unroll length."""
+    norm_before_residual: bool = False
+    """Residual is hidden_norm(g) instead of g (vLLM flag of the same name)."""
+
+    def __post_init__(self):
+        if isinstance(self.layer, dict):
+            self.layer = LayerSpec(**self.layer)
+        self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
+        if len(self.aux_layer_ids) != 3:
+            raise DraftheadsError(f"eagle3 aux_layer_ids {list(self.aux_layer_ids)} must name 3 target layers")
+        if len(set(self.aux_layer_ids)) != 3:
+            raise DraftheadsError(f"eagle3 aux_layer_ids {list(self.aux_layer_ids)} has duplicates: give 3 distinct ids")
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.layer.hidden_size
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise DraftheadsError(f"eagle3 draft_vocab_size={self.draft_vocab_size} must be in 1..vocab_size")
+        if self.ttt_steps < 1:
+            raise DraftheadsError(f"eagle3 ttt_steps={self.ttt_steps} must be >= 1")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+
+class Eagle3Head(nn.Module):
+    head_type = "eagle3"
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(3 * config.target_hidden_size, h, bias=False)
+        self.layers = nn.ModuleList([DraftDecoderLayer(config.layer, eagle3=True)])
+        self.norm = RMSNorm(h, config.layer.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.rotary = Rotary(config.layer)
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [B, T, 3*H_target] (layers concatenated in aux_layer_ids order) -> g [B, T, H]."""
+        return self.fc(aux)
+
+    def forward(self, embeds, hidden, position_ids, mask=None, past_kv=None, extra_kv=None):
+        """One drafting step. embeds, hidden [B, T, H] -> (pre-norm hidden [B, T, H], new (k, v))."""
+        cos, sin = self.rotary(hidden, position_ids)
+        layer = self.layers[0]
+        if self.config.norm_before_residual:
+            hidden = layer.hidden_norm(hidden)
+        return layer(hidden, cos, sin, embeds=embeds, mask=mask, past_kv=past_kv, extra_kv=extra_kv)
+
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+    def projection(self, target_lm_head: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head.weight
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids + self.d2t[ids]
+
+    def ttt(
+        self,
+        aux: torch.Tensor,  # [B, T, 3*H_target]
+        step_embeds,  # callable j -> [B, T, H]: embed(x_{t+1+j}) (zeros past the end)
+        position_ids: torch.Tensor,  # [B, T]
+        prefix_mask: torch.Tensor,  # additive [B, 1, T, T]: causal within documents
+        steps: int | None = None,
+    ) -> list[torch.Tensor]:
+        """Unrolled training-time test: the normed outputs [B, T, H] of steps 0..steps-1."""
+        steps = steps or self.config.ttt_steps
+        b, t, _ = aux.shape
+        hidden = self.fuse(aux)
+        diag = torch.full((t, t), float("-inf"), device=aux.device, dtype=prefix_mask.dtype)
+        diag.fill_diagonal_(0.0)
+        diag = diag.expand(b, 1, t, t)
+        outs, extra_k, extra_v = [], [], []
+        prefix_kv = None
+        for j in range(steps):
+            # keys: [step-0 prefix, step j, steps 1..j-1]; the diagonal blocks are identical
+            mask = torch.cat([prefix_mask] + [diag] * j, dim=-1) if j else prefix_mask
+            if j == 0:
+                hidden, kv = self.forward(step_embeds(0), hidden, position_ids, mask=mask)
+                prefix_kv = kv
+            else:
+                hidden, kv = self.forward(
+                    step_embeds(j), hidden, position_ids + j, mask=mask,
+                    past_kv=prefix_kv, extra_kv=(extra_k, extra_v),
+                )
+                extra_k, extra_v = extra_k + [kv[0]], extra_v + [kv[1]]
+            outs.append(self.normed(hidden))
+        return outs
+

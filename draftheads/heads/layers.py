@@ -1,0 +1,201 @@
+"""Building blocks of EAGLE draft layers: a Llama-style decoder layer whose attention reads explicit
+masks and an explicit past K/V, so that training (TTT masks) and tree drafting share one module.
+
+Parameter names follow Llama (``self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm`` ...), which
+are the names vLLM's EAGLE loaders expect under ``layers.0.``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LayerSpec:
+    """Shape of one draft decoder layer, read from the target's config."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF rope_parameters beyond the default type (e.g. llama3)
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> LayerSpec:
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if scaling.get("rope_type", "default") == "default":
+            scaling = None
+        heads = cfg.num_attention_heads
+        return cls(
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=getattr(cfg, "max_position_embeddings", 2048),
+            hidden_act=getattr(cfg, "hidden_act", "silu"),
+        )
+
+    def llama_config(self, **extra):
+        """The equivalent ``LlamaConfig`` (one decoder layer), used for RoPE and for export."""
+        from transformers import LlamaConfig
+
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=rope,
+            max_position_embeddings=self.max_position_embeddings,
+            hidden_act=self.hidden_act,
+            num_hidden_layers=1,
+            **extra,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE cos/sin for position ids, with the target's rope type (via transformers' rope init)."""
+
+    def __init__(self, spec: LayerSpec):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.inner = LlamaRotaryEmbedding(spec.llama_config())
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        return self.inner(x, position_ids)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, heads, T, D]; cos/sin [B, T, D]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, spec: LayerSpec, in_features: int):
+        super().__init__()
+        self.h, self.kvh, self.d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+        self.q_proj = nn.Linear(in_features, self.h * self.d, bias=False)
+        self.k_proj = nn.Linear(in_features, self.kvh * self.d, bias=False)
+        self.v_proj = nn.Linear(in_features, self.kvh * self.d, bias=False)
+        self.o_proj = nn.Linear(self.h * self.d, spec.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask=None, past_kv=None, extra_kv=None):
+        """x [B, T, in]; mask additive [B or 1, 1, T, S] over keys (past, new, extra) or None = causal.
+
+        Returns (out [B, T, H], (k, v)) with k/v [B, kvh, T, D] for the new tokens only.
+        """
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kvh, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kvh, self.d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        new_kv = (k, v)
+        keys, vals = [k], [v]
+        if past_kv is not None:
+            keys.insert(0, past_kv[0])
+            vals.insert(0, past_kv[1])
+        if extra_kv is not None:
+            keys.extend(extra_kv[0])
+            vals.extend(extra_kv[1])
+        k_all, v_all = torch.cat(keys, 2), torch.cat(vals, 2)
+        rep = self.h // self.kvh
+        if rep > 1:
+            k_all = k_all.repeat_interleave(rep, dim=1)
+            v_all = v_all.repeat_interleave(rep, dim=1)
+        if mask is None and past_kv is None and extra_kv is None:
+            out = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+        out = out.transpose(1, 2).reshape(b, t, self.h * self.d)
+        return self.o_proj(out), new_kv
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, spec: LayerSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        if spec.hidden_act != "silu":
+            raise ValueError(f"hidden_act {spec.hidden_act!r} is not supported by draft layers: use 'silu'")
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftDecoderLayer(nn.Module):
+    """One Llama decoder layer for a draft head.
+
+    * EAGLE-1 (``eagle3=False``): input ``x`` [B, T, H]; no ``input_layernorm`` (identity).
+    * EAGLE-3 (``eagle3=True``): inputs ``embeds`` and ``hidden``, each [B, T, H]; attention reads
+      ``cat(input_layernorm(embeds), hidden_norm(hidden))`` (2H), the residual is ``hidden``.
+    """
+
+    def __init__(self, spec: LayerSpec, eagle3: bool):
+        super().__init__()
+        self.eagle3 = eagle3
+        h = spec.hidden_size
+        if eagle3:
+            self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
+            self.hidden_norm = RMSNorm(h, spec.rms_norm_eps)
+        self.self_attn = DraftAttention(spec, 2 * h if eagle3 else h)
+        self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        self.mlp = DraftMLP(spec)
+
+    def forward(self, hidden, cos, sin, embeds=None, mask=None, past_kv=None, extra_kv=None):
+        residual = hidden
+        if self.eagle3:
+            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        else:
+            x = hidden
+        attn, new_kv = self.self_attn(x, cos, sin, mask=mask, past_kv=past_kv, extra_kv=extra_kv)
+        hidden = residual + attn
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden, new_kv

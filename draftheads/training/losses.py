@@ -1,0 +1,266 @@
+"""Draft-head losses, each written once, on fused vocabulary projections.
+
+No function here materialises ``[tokens, vocab]`` logits for the whole batch except the ``plain_*``
+references used by parity tests and the memory benchmark:
+
+* on CUDA: Liger's Triton ops (``LigerFusedLinearCrossEntropyLoss``; ``LigerFusedLinearJSD`` with
+  beta = 0, i.e. forward KL);
+* elsewhere: chunked torch autograd functions that compute the gradients chunk by chunk during the
+  forward pass (the same scheme as Liger's ``chunked_loss``), so peak memory is one chunk of logits.
+
+Soft targets use forward KL(p_target || q_draft) = soft cross-entropy minus the target's entropy, a
+constant: the gradients equal soft-CE's, and 0 means a perfect match.
+
+Label shifts are written once, in :func:`future_mask`: a loss term at position t that predicts the
+token at t + d is kept when that token is an assistant (loss-masked) token of the same document.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+DEFAULT_CHUNK = 1024
+
+
+# ----------------------------------------------------------------------------- label shifts
+
+
+def future_mask(loss_mask: torch.Tensor, doc_ids: torch.Tensor, d: int) -> torch.Tensor:
+    """[B, T] bool: position t predicts token t + d, which is in the loss mask and in t's document."""
+    b, t = loss_mask.shape
+    out = torch.zeros(b, t, dtype=torch.bool, device=loss_mask.device)
+    if d < t:
+        out[:, : t - d] = loss_mask[:, d:].bool() & (doc_ids[:, d:] == doc_ids[:, : t - d])
+    return out
+
+
+def shift_left(x: torch.Tensor, d: int, fill=0) -> torch.Tensor:
+    """x[:, t + d] at position t (dim 1), ``fill`` past the end."""
+    if d == 0:
+        return x
+    out = torch.full_like(x, fill)
+    if d < x.shape[1]:
+        out[:, : x.shape[1] - d] = x[:, d:]
+    return out
+
+
+# ----------------------------------------------------------------------------- chunked torch path
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, labels, chunk: int):
+        # h [N, H], w [V, H], labels [N] with IGNORE_INDEX
+        valid = labels != IGNORE_INDEX
+        denom = max(int(valid.sum()), 1)
+        grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(w, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for s in range(0, h.shape[0], chunk):
+            hc, lc, vc = h[s : s + chunk], labels[s : s + chunk], valid[s : s + chunk]
+            logits = (hc @ w.T).float()  # [chunk, V]
+            lse = torch.logsumexp(logits, -1)
+            picked = logits.gather(1, lc.clamp(min=0)[:, None])[:, 0]
+            total += ((lse - picked) * vc).sum()
+            g = torch.softmax(logits, -1)
+            g[torch.arange(len(lc), device=h.device), lc.clamp(min=0)] -= 1.0
+            g *= (vc.float() / denom)[:, None]
+            if grad_h is not None:
+                grad_h[s : s + chunk] = (g.to(w.dtype) @ w).to(h.dtype)
+            if grad_w is not None:
+                grad_w += g.T @ hc.float()
+        ctx.save_for_backward(grad_h if grad_h is not None else h.new_empty(0),
+                              grad_w if grad_w is not None else w.new_empty(0))
+        ctx.has = (grad_h is not None, grad_w is not None)
+        ctx.w_dtype = w.dtype
+        return total / denom
+
+    @staticmethod
+    def backward(ctx, go):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * go if ctx.has[0] else None
+        gw = (grad_w * go).to(ctx.w_dtype) if ctx.has[1] else None
+        return gh, gw, None, None
+
+
+class _ChunkedLinearKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hs, ws, ht, wt, chunk: int):
+        # student hs [N, H], ws [V, H]; teacher ht [N, Ht], wt [V, Ht]; mean over N of KL(p_t || q_s)
+        n = max(hs.shape[0], 1)
+        grad_h = torch.zeros_like(hs) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(ws, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        total = torch.zeros((), dtype=torch.float32, device=hs.device)
+        for s in range(0, hs.shape[0], chunk):
+            hc = hs[s : s + chunk]
+            log_q = torch.log_softmax((hc @ ws.T).float(), -1)  # [chunk, V]
+            log_p = torch.log_softmax((ht[s : s + chunk] @ wt.T).float(), -1)
+            p = log_p.exp()
+            total += (p * (log_p - log_q)).sum()
+            g = (log_q.exp() - p) / n
+            if grad_h is not None:
+                grad_h[s : s + chunk] = (g.to(ws.dtype) @ ws).to(hs.dtype)
+            if grad_w is not None:
+                grad_w += g.T @ hc.float()
+        ctx.save_for_backward(grad_h if grad_h is not None else hs.new_empty(0),
+                              grad_w if grad_w is not None else ws.new_empty(0))
+        ctx.has = (grad_h is not None, grad_w is not None)
+        ctx.w_dtype = ws.dtype
+        return total / n
+
+    @staticmethod
+    def backward(ctx, go):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * go if ctx.has[0] else None
+        gw = (grad_w * go).to(ctx.w_dtype) if ctx.has[1] else None
+        return gh, gw, None, None, None
+
+
+# ----------------------------------------------------------------------------- public ops
+
+
+def _use_liger(t: torch.Tensor, impl: str) -> bool:
+    if impl not in ("auto", "liger", "chunked"):
+        raise ValueError(f"loss impl {impl!r}: use auto, liger or chunked")
+    return impl == "liger" or (impl == "auto" and t.is_cuda)
+
+
+def linear_cross_entropy(h, w, labels, chunk_size: int = DEFAULT_CHUNK, impl: str = "auto"):
+    """Mean CE of ``h @ w.T`` vs ``labels`` (IGNORE_INDEX skipped). h [N, H], w [V, H], labels [N]."""
+    assert h.dim() == 2 and w.dim() == 2 and labels.shape == h.shape[:1], (h.shape, w.shape, labels.shape)
+    if _use_liger(h, impl):
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)(w, h, labels)
+    return _ChunkedLinearCE.apply(h, w, labels, chunk_size)
+
+
+def linear_kl(hs, ws, ht, wt, chunk_size: int = DEFAULT_CHUNK, impl: str = "auto"):
+    """Mean over rows of KL(softmax(ht @ wt.T) || softmax(hs @ ws.T)); the teacher gets no gradient."""
+    assert hs.shape[0] == ht.shape[0] and ws.shape[0] == wt.shape[0], (hs.shape, ws.shape, ht.shape, wt.shape)
+    ht, wt = ht.detach(), wt.detach()
+    if _use_liger(hs, impl):
+        from liger_kernel.transformers import LigerFusedLinearJSD
+
+        return LigerFusedLinearJSD(jsd_beta=0.0)(hs, ws, ht, wt, None)
+    return _ChunkedLinearKL.apply(hs, ws, ht, wt, chunk_size)
+
+
+@torch.no_grad()
+def linear_argmax(h, w, chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """argmax of ``h @ w.T`` over the vocabulary, chunked. h [N, H] -> [N] int64."""
+    out = torch.empty(h.shape[0], dtype=torch.int64, device=h.device)
+    for s in range(0, h.shape[0], chunk_size):
+        out[s : s + chunk_size] = (h[s : s + chunk_size] @ w.T).argmax(-1)
+    return out
+
+
+def plain_linear_cross_entropy(h, w, labels):
+    """Reference: materialises the logits."""
+    return F.cross_entropy((h @ w.T).float(), labels, ignore_index=IGNORE_INDEX)
+
+
+def plain_linear_kl(hs, ws, ht, wt):
+    """Reference: materialises both logit matrices."""
+    log_q = torch.log_softmax((hs @ ws.T).float(), -1)
+    log_p = torch.log_softmax((ht @ wt.T).float(), -1).detach()
+    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+
+
+# ----------------------------------------------------------------------------- family losses
+
+
+def medusa_loss(
+    feats: torch.Tensor,  # [K, B, T, H] head outputs before projection
+    projections,  # list of K weights [V', H]
+    labels: torch.Tensor,  # [B, T] label of the token at each position (head vocab index, IGNORE_INDEX if none)
+    loss_mask: torch.Tensor,  # [B, T]
+    doc_ids: torch.Tensor,  # [B, T]
+    decay: float = 0.8,
+    **kw,
+):
+    """Σ_k decay^k · CE(head_k(h_t), x_{t+1+k}), k = 1..K; returns (total, per-head losses, per-head top-1).
+
+    Head k (1-based) at position t is scored on the label at t + 1 + k. Positions whose label is
+    IGNORE_INDEX (e.g. outside a draft vocabulary) are left out of the loss and count as misses.
+    """
+    total = feats.new_zeros((), dtype=torch.float32)
+    losses, accs = [], []
+    for i in range(feats.shape[0]):
+        k = i + 1
+        m = future_mask(loss_mask, doc_ids, 1 + k)
+        tgt = shift_left(labels, 1 + k, fill=IGNORE_INDEX)[m]
+        h = feats[i][m]
+        if not (tgt != IGNORE_INDEX).any():
+            losses.append(total.new_zeros(()))
+            accs.append(float("nan"))
+            total = total + feats[i].sum() * 0.0
+            continue
+        loss = linear_cross_entropy(h, projections[i], tgt, **kw)
+        total = total + (decay**k) * loss
+        losses.append(loss.detach())
+        accs.append((linear_argmax(h.detach(), projections[i].detach()) == tgt).float().mean().item())
+    return total, losses, accs
+
+
+def eagle_loss(
+    pred: torch.Tensor,  # [B, T, H] f̂_{t+1} predicted at position t
+    features: torch.Tensor,  # [B, T, H] target last hidden state f (post-norm)
+    mask: torch.Tensor,  # [B, T] bool: future_mask(..., d=2)
+    student_w: torch.Tensor,  # [V', H] draft projection
+    teacher_w: torch.Tensor,  # [V', H] target lm_head rows over the same vocabulary
+    target_argmax: torch.Tensor,  # [B, T] target's predicted token id index space of student_w, -1 outside
+    feature_weight: float = 1.0,
+    kl_weight: float = 0.1,
+    **kw,
+):
+    """EAGLE-1: feature_weight·SmoothL1(f̂_{t+1}, f_{t+1}) + kl_weight·KL(p_target(f_{t+1}) || q(f̂_{t+1}))."""
+    nxt = shift_left(features, 1)
+    p, f = pred[mask], nxt[mask].detach()
+    if p.shape[0] == 0:
+        z = pred.sum() * 0.0
+        return z, {"reg": z.detach(), "kl": z.detach(), "acc": float("nan")}
+    reg = F.smooth_l1_loss(p.float(), f.float(), reduction="none").mean(-1).mean()
+    kl = linear_kl(p, student_w, f, teacher_w, **kw)
+    want = shift_left(target_argmax, 1, fill=-1)[mask]
+    acc = (linear_argmax(p.detach(), student_w.detach()) == want).float().mean().item()
+    return feature_weight * reg + kl_weight * kl, {"reg": reg.detach(), "kl": kl.detach(), "acc": acc}
+
+
+def eagle3_loss(
+    step_outs,  # list of J normed draft outputs [B, T, H]
+    features: torch.Tensor,  # [B, T, H_target] target last hidden state (post-norm)
+    loss_mask: torch.Tensor,  # [B, T]
+    doc_ids: torch.Tensor,  # [B, T]
+    student_w: torch.Tensor,  # [Vd, H] draft lm_head
+    teacher_w: torch.Tensor,  # [Vd, H_target] target lm_head rows of the draft vocab
+    target_argmax_draft: torch.Tensor,  # [B, T] draft index of the target's argmax at t, -1 outside the draft vocab
+    decay: float = 0.8,
+    **kw,
+):
+    """Σ_j decay^j · KL(p_target restricted to the draft vocab || q_draft), step j at t vs position t+1+j.
+
+    Positions whose target argmax lies outside the draft vocabulary are masked out of the loss (they
+    count as misses in the accuracies).
+    """
+    total = features.new_zeros((), dtype=torch.float32)
+    losses, accs = [], []
+    for j, out in enumerate(step_outs):
+        m = future_mask(loss_mask, doc_ids, 2 + j)
+        want = shift_left(target_argmax_draft, 1 + j, fill=-1)
+        in_vocab = m & (want >= 0)
+        if m.any():
+            got = linear_argmax(out[m].detach(), student_w.detach())
+            accs.append((got == want[m]).float().mean().item())
+        else:
+            accs.append(float("nan"))
+        if not in_vocab.any():
+            losses.append(total.new_zeros(()))
+            total = total + out.sum() * 0.0
+            continue
+        kl = linear_kl(out[in_vocab], student_w, shift_left(features, 1 + j)[in_vocab], teacher_w, **kw)
+        total = total + (decay**j) * kl
+        losses.append(kl.detach())
+    return total, losses, accs

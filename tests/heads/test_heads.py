@@ -1,0 +1,125 @@
+import pytest
+import torch
+
+from draftheads.errors import DraftheadsError
+from draftheads.heads import (
+    Eagle3Config, Eagle3Head, EagleConfig, EagleHead, LayerSpec, MedusaConfig, MedusaHeads, check_head_fits_target,
+    load_head, save_head,
+)
+from draftheads.heads.vocab import DraftVocab, build_draft_vocab, token_counts
+
+SPEC = LayerSpec(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
+def _randomize(m):
+    torch.manual_seed(0)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return m
+
+
+def _eagle3(**kw):
+    cfg = Eagle3Config(layer=SPEC, vocab_size=60, draft_vocab_size=20, aux_layer_ids=(1, 2, 3), **kw)
+    return _randomize(Eagle3Head(cfg))
+
+
+def test_medusa_shapes_and_distinct_layers():
+    heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=60, num_heads=4, num_layers=3))
+    assert heads(torch.randn(2, 5, 32)).shape == (4, 2, 5, 32)
+    assert heads.logits(torch.randn(2, 5, 32)).shape == (4, 2, 5, 60)
+    layers = [layer for b in heads.blocks for layer in b.layers]
+    assert len({id(m) for m in layers}) == 12
+    assert len({p.data_ptr() for layer in layers for p in layer.parameters()}) == 24
+    assert all((layer.linear.weight == 0).all() for layer in layers)  # zero-init: starts as identity
+
+
+def test_medusa_shared_lm_head_and_token_map():
+    w = torch.randn(60, 32)
+    heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=60, num_heads=2, share_lm_head=True, draft_vocab_size=5))
+    heads.init_from_target(w, token_map=torch.tensor([3, 7, 9, 20, 59]))
+    assert not any("lm_heads" in n for n, _ in heads.named_parameters())
+    h = torch.randn(1, 1, 32)
+    torch.testing.assert_close(heads.logits(h, w)[0, 0, 0], heads(h)[0, 0, 0] @ w[[3, 7, 9, 20, 59]].T)
+    assert heads.to_target_ids(torch.tensor([4])).item() == 59
+
+
+def test_eagle_shapes_and_no_input_norm():
+    head = _randomize(EagleHead(EagleConfig(layer=SPEC, vocab_size=60)))
+    out, (k, v) = head(torch.randn(2, 7, 32), torch.randn(2, 7, 32), torch.arange(7).expand(2, 7))
+    assert out.shape == (2, 7, 32) and k.shape == (2, 2, 7, 8)
+    names = {n for n, _ in head.named_parameters()}
+    assert "fc.weight" in names and "fc.bias" not in names
+    assert not any("input_layernorm" in n for n in names) and not any(n.startswith("norm") for n in names)
+
+
+def test_eagle3_shapes_and_duplicate_ids_rejected():
+    head = _eagle3()
+    assert head.fc.weight.shape == (32, 96)
+    assert head.layers[0].self_attn.q_proj.weight.shape == (32, 64)  # 2H in
+    assert head.lm_head.weight.shape == (20, 32)
+    with pytest.raises(DraftheadsError, match="duplicates"):
+        Eagle3Config(layer=SPEC, vocab_size=60, draft_vocab_size=20, aux_layer_ids=(2, 2, 3))
+
+
+def test_eagle3_ttt_equals_step_by_step_drafting():
+    """TTT step j at t == drafting j tokens on top of the real prefix 0..t with a growing draft KV."""
+    head = _eagle3().double()
+    b, t = 1, 6
+    aux = torch.randn(b, t, 96, dtype=torch.float64)
+    emb = torch.randn(4, b, t, 32, dtype=torch.float64)  # step j's embeddings
+    pos = torch.arange(t).expand(b, t)
+    causal = torch.full((t, t), float("-inf"), dtype=torch.float64).triu(1).expand(b, 1, t, t)
+    outs = head.ttt(aux, lambda j: emb[j], pos, causal, steps=4)
+
+    g = head.fuse(aux)
+    h0, (k0, v0) = head(emb[0], g, pos, mask=causal)
+    torch.testing.assert_close(head.normed(h0), outs[0])
+    for col in (0, 3, 5):
+        prefix = (k0[:, :, : col + 1], v0[:, :, : col + 1])
+        hidden, ek, ev = h0[:, col : col + 1], [], []
+        for j in range(1, 4):
+            hidden, (k, v) = head(emb[j][:, col : col + 1], hidden, pos[:, col : col + 1] + j,
+                                  mask=torch.zeros(1, 1, 1, col + 1 + j, dtype=torch.float64),
+                                  past_kv=prefix, extra_kv=(ek, ev))
+            ek, ev = ek + [k], ev + [v]
+            torch.testing.assert_close(head.normed(hidden)[:, 0], outs[j][:, col])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=60, num_heads=3, num_layers=2, draft_vocab_size=10)),
+    lambda: _randomize(EagleHead(EagleConfig(layer=SPEC, vocab_size=60, draft_vocab_size=12))),
+    lambda: _eagle3(),
+])
+def test_save_load_round_trip(tmp_path, make):
+    head = _randomize(make())
+    save_head(head, tmp_path / "h")
+    loaded, meta = load_head(tmp_path / "h")
+    assert meta["head_type"] == head.head_type and type(loaded) is type(head)
+    assert loaded.config == head.config
+    for (n, a), (m, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert n == m and torch.equal(a, b), n
+
+
+def test_head_target_mismatch_is_one_clear_error():
+    from types import SimpleNamespace
+
+    info = SimpleNamespace(name="t", hidden_size=64, vocab_size=60, num_layers=4)
+    with pytest.raises(DraftheadsError, match="hidden size 32 .* has 64"):
+        check_head_fits_target(_eagle3(), info)
+    info = SimpleNamespace(name="t", hidden_size=32, vocab_size=61, num_layers=4)
+    with pytest.raises(DraftheadsError, match="vocab size 60 .* has 61"):
+        check_head_fits_target(_eagle3(), info)
+    info = SimpleNamespace(name="t", hidden_size=32, vocab_size=60, num_layers=2)
+    with pytest.raises(DraftheadsError, match="aux_layer_ids"):
+        check_head_fits_target(_eagle3(), info)
+
+
+def test_draft_vocab_coverage_and_maps():
+    counts = token_counts([torch.tensor([5, 5, 5, 5, 2, 2, 9, 1, 1, 1])], 12)
+    v = build_draft_vocab(counts, coverage=0.9)  # 5:4, 1:3, 2:2 -> 9/10
+    assert v.draft_ids.tolist() == [1, 2, 5] and v.coverage == pytest.approx(0.9)
+    assert v.d2t.tolist() == [1, 1, 3]
+    assert (torch.arange(3) + v.d2t).tolist() == [1, 2, 5]
+    assert v.t2d.nonzero().flatten().tolist() == [1, 2, 5]
+    assert build_draft_vocab(counts, size=1).draft_ids.tolist() == [5]
+    assert DraftVocab.from_d2t(v.d2t, 12).draft_ids.tolist() == [1, 2, 5]
