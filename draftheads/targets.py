@@ -139,31 +139,47 @@ def load_target(
     """Load a frozen target (eval mode, no gradients) with its tokenizer and info."""
     dtype = parse_dtype(dtype)
     spec = str(spec)
+    path = resolve_target(spec)
+    model, tokenizer = _from_pretrained(path, spec, dtype, trust_remote_code, attn_implementation)
+    model.to(device)
+    freeze(model)
+    return Target(model=model, tokenizer=tokenizer, info=target_info(model, tokenizer, spec))
+
+
+def resolve_target(spec: str) -> str | Path:
+    """A loadable HF path or hub id for ``spec`` (dequantising and caching GGUF files)."""
+    spec = str(spec)
     if spec == DEFAULT_TARGET:
-        path = _gguf_to_cached_dir(embedded_gguf_path())
-    elif spec.endswith(".gguf"):
+        return _gguf_to_cached_dir(embedded_gguf_path())
+    if spec.endswith(".gguf"):
         if not os.path.isfile(spec):
             raise DraftheadsError(f"target GGUF file {spec!r} does not exist: check the path")
-        path = _gguf_to_cached_dir(Path(spec))
-    elif os.path.isdir(spec):
+        return _gguf_to_cached_dir(Path(spec))
+    if os.path.isdir(spec):
         if not os.path.isfile(os.path.join(spec, "config.json")):
             raise DraftheadsError(
                 f"target directory {spec!r} has no config.json: point --target at a Hugging Face "
                 "model directory (config.json + weights), a .gguf file, a hub id or "
                 f"'{DEFAULT_TARGET}'"
             )
-        path = Path(spec)
-    elif _looks_like_hub_id(spec):
-        path = spec
-    else:
-        raise DraftheadsError(
-            f"unknown target {spec!r}: use '{DEFAULT_TARGET}', a local model directory, "
-            "a .gguf file or a Hugging Face hub id like 'org/name'"
-        )
-    model, tokenizer = _from_pretrained(path, spec, dtype, trust_remote_code, attn_implementation)
-    model.to(device)
-    freeze(model)
-    return Target(model=model, tokenizer=tokenizer, info=target_info(model, tokenizer, spec))
+        return Path(spec)
+    if _looks_like_hub_id(spec):
+        return spec
+    raise DraftheadsError(
+        f"unknown target {spec!r}: use '{DEFAULT_TARGET}', a local model directory, "
+        "a .gguf file or a Hugging Face hub id like 'org/name'"
+    )
+
+
+def load_tokenizer(spec: str, trust_remote_code: bool = False):
+    """The target's tokenizer alone (data pipelines need no model)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_target(spec)
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise DraftheadsError(f"could not load the tokenizer of target {spec!r} ({str(e).splitlines()[0]})") from e
 
 
 def freeze(model: nn.Module) -> nn.Module:
@@ -260,8 +276,9 @@ def hidden_states(
     model: nn.Module,
     input_ids: torch.Tensor,  # [batch, seq]
     layer_ids,
-    attention_mask: torch.Tensor | None = None,  # [batch, seq]
+    attention_mask: torch.Tensor | None = None,  # [batch, seq] or additive [batch, 1, seq, seq]
     return_logits: bool = False,
+    position_ids: torch.Tensor | None = None,  # [batch, seq]
 ) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
     """Hidden states ``{id: [batch, seq, hidden]}`` at the requested HF ids, and optionally logits.
 
@@ -282,10 +299,12 @@ def hidden_states(
     handles = [modules[i].register_forward_hook(grab(i)) for i in ids]
     try:
         if return_logits:
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            logits = model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).logits
         else:
             base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-            base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
             logits = None
     finally:
         for h in handles:

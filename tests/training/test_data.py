@@ -1,0 +1,119 @@
+import json
+
+import pytest
+import torch
+
+from draftheads.errors import DraftheadsError
+from draftheads.testing import tiny_tokenizer
+from draftheads.training.data import build_dataset, collate, doc_causal_mask, pack, tokenize_conversation
+
+CONV = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 12 plus 30?"},
+    {"role": "assistant", "content": "The answer is 42."},
+    {"role": "user", "content": "Translate good morning."},
+    {"role": "assistant", "content": "Bonjour."},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def _spans(ids, mask, tok):
+    out, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            out.append(tok.decode(cur))
+            cur = []
+    if cur:
+        out.append(tok.decode(cur))
+    return out
+
+
+def test_generation_tags_and_prefix_fallback_agree(tok):
+    ids_a, mask_a = tokenize_conversation(tok, CONV, use_generation_tags=True)
+    ids_b, mask_b = tokenize_conversation(tok, CONV, use_generation_tags=False)
+    assert ids_a == ids_b
+    assert mask_a == mask_b
+    assert _spans(ids_a, mask_a, tok) == ["The answer is 42.<|im_end|>", "Bonjour.<|im_end|>"]
+
+
+@pytest.mark.parametrize("tags", [True, False])
+def test_assistant_boundary_tokens(tok, tags):
+    ids, mask = tokenize_conversation(tok, CONV, use_generation_tags=tags)
+    first = mask.index(1)
+    # the token before the boundary is the header's newline, the first inside starts the answer
+    assert tok.decode(ids[first - 1]).endswith("\n") and mask[first - 1] == 0
+    assert tok.decode(ids[first:first + 3]).startswith("The")
+    end = first + mask[first:].index(0)
+    assert tok.decode([ids[end - 1]]) == "<|im_end|>" and mask[end] == 0  # end-of-turn token included
+
+
+def test_plain_text_trains_on_everything(tok):
+    ids, mask = tokenize_conversation(tok, "The quick brown fox.")
+    assert len(ids) > 3 and all(mask)
+
+
+def test_pack_positions_docs_and_truncation():
+    samples = [([1, 2, 3], [0, 1, 1]), ([4, 5], [1, 1]), ([6] * 9, [1] * 9), ([7, 8], [0, 0])]
+    rows, stats = pack(samples, max_length=6, pad_id=0)
+    assert stats.truncated == 1 and stats.dropped_no_assistant == 1 and stats.rows == 2
+    assert rows[0]["input_ids"] == [1, 2, 3, 4, 5, 0]
+    assert rows[0]["position_ids"] == [0, 1, 2, 0, 1, 0]
+    assert rows[0]["doc_ids"] == [0, 0, 0, 1, 1, -1]
+    assert rows[1]["input_ids"] == [6] * 6
+    batch = collate(rows)
+    assert batch["input_ids"].shape == (2, 6)
+
+
+def test_doc_mask_blocks_cross_document_attention():
+    m = doc_causal_mask(torch.tensor([[0, 0, 1, -1]]))
+    allowed = (m[0, 0] == 0).int().tolist()
+    assert allowed == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
+
+
+def test_packed_target_features_equal_separate_forwards(tiny_target):
+    from draftheads.targets import hidden_states
+
+    model = tiny_target.model
+    a, b = torch.randint(3, 300, (1, 5)), torch.randint(3, 300, (1, 4))
+    ids = torch.cat([a, b], 1)
+    docs = torch.tensor([[0] * 5 + [1] * 4])
+    pos = torch.tensor([list(range(5)) + list(range(4))])
+    packed, _ = hidden_states(model, ids, [2, 4], attention_mask=doc_causal_mask(docs), position_ids=pos)
+    sep_a, _ = hidden_states(model, a, [2, 4])
+    sep_b, _ = hidden_states(model, b, [2, 4])
+    for i in (2, 4):
+        torch.testing.assert_close(packed[i], torch.cat([sep_a[i], sep_b[i]], 1), atol=1e-5, rtol=1e-5)
+
+
+def test_build_dataset_forms_split_and_cache(tok, tmp_path):
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+        for i in range(10)
+    ] + [
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]},
+        {"id": "x", "domain": "chat", "turns": ["hey"], "answers": ["hey you"]},
+        {"text": "The quick brown fox."},
+    ]
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, val, stats = build_dataset(tok, [str(f)], max_length=64, val_fraction=0.2)
+    assert stats["train"]["samples"] + stats["val"]["samples"] == 13 and stats["val"]["samples"] == 3
+    assert stats["masking"] == "generation tags"
+    again = build_dataset(tok, [str(f)], max_length=64, val_fraction=0.2)
+    assert again[2] == stats and len(again[0]) == len(train)
+
+
+def test_zero_assistant_tokens_and_missing_answers(tok, tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "only a question"}]}) + "\n")
+    with pytest.raises(DraftheadsError, match="zero assistant tokens"):
+        build_dataset(tok, [str(f)], max_length=64, val_fraction=0.0, cache=False)
+    f.write_text(json.dumps({"id": "a", "domain": "chat", "turns": ["q"]}) + "\n")
+    with pytest.raises(DraftheadsError, match="draftheads distill"):
+        build_dataset(tok, [str(f)], max_length=64, cache=False)
