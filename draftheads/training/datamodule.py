@@ -1,0 +1,99 @@
+"""LightningDataModule over conversation files (or an offline feature cache)."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from draftheads.errors import DraftheadsError
+from draftheads.heads.vocab import token_counts
+from draftheads.targets import load_tokenizer
+from draftheads.training.data import build_dataset, collate
+from draftheads.training.features import FeatureDataset, collate_features
+
+
+class ChatDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        train_files: list[str] | None = None,
+        target: str = "smollm2-135m",
+        max_length: int = 1024,
+        batch_size: int = 4,
+        val_fraction: float = 0.05,
+        packed: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+        feature_dir: str | None = None,
+        trust_remote_code: bool = False,
+    ):
+        """
+        Args:
+            train_files: jsonl files (OpenAI ``messages``, ShareGPT ``conversations``, distilled
+                ``turns``+``answers``, or ``text``).
+            target: target spec, whose tokenizer and chat template render the data.
+            max_length: tokens per packed row (longer conversations are truncated and counted).
+            batch_size: rows per batch and device.
+            val_fraction: fraction of conversations held out for validation.
+            packed: pack several conversations per row (with document masks) or one per row.
+            seed: split and shuffle seed (the order per epoch is a function of seed and epoch).
+            num_workers: DataLoader workers.
+            feature_dir: read rows and target features from a ``draftheads cache-features`` output.
+            trust_remote_code: allow custom tokenizer code for hub targets.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        if batch_size < 1:
+            raise DraftheadsError(f"data.batch_size={batch_size} must be >= 1")
+        if max_length < 8:
+            raise DraftheadsError(f"data.max_length={max_length} must be >= 8")
+        if not train_files and not feature_dir:
+            raise DraftheadsError("data.train_files is empty: give jsonl files or data.feature_dir")
+        self.train_set = self.val_set = None
+        self.stats: dict = {}
+        self._collate = collate
+
+    def _build(self):
+        tok = load_tokenizer(self.hparams.target, self.hparams.trust_remote_code)
+        return build_dataset(tok, list(self.hparams.train_files), self.hparams.max_length, self.hparams.packed,
+                             self.hparams.val_fraction, self.hparams.seed, tokenizer_key=self.hparams.target)
+
+    def prepare_data(self):
+        if not self.hparams.feature_dir:
+            self._build()  # fills the Arrow cache once, on rank 0
+
+    def setup(self, stage=None):
+        if self.train_set is not None:
+            return
+        if self.hparams.feature_dir:
+            self.train_set = FeatureDataset(self.hparams.feature_dir, "train")
+            self.val_set = FeatureDataset(self.hparams.feature_dir, "val")
+            self._collate = collate_features
+        else:
+            train, val, self.stats = self._build()
+            self.train_set, self.val_set = train, val
+            self._collate = collate
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """Counts of loss-masked target tokens in the training split (for draft vocabularies)."""
+        self.setup()
+        batches = (
+            torch.as_tensor(row["input_ids"])[torch.as_tensor(row["loss_mask"]).bool()] for row in self.train_set
+        )
+        return token_counts(batches, vocab_size)
+
+    def _loader(self, ds, shuffle: bool):
+        trainer = self.trainer
+        world = trainer.world_size if trainer is not None else 1
+        rank = trainer.global_rank if trainer is not None else 0
+        sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=shuffle,
+                                     seed=self.hparams.seed, drop_last=False)
+        return DataLoader(ds, batch_size=self.hparams.batch_size, sampler=sampler, collate_fn=self._collate,
+                          num_workers=self.hparams.num_workers)
+
+    def train_dataloader(self):
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self):
+        return self._loader(self.val_set, shuffle=False) if len(self.val_set) else []
+

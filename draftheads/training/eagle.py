@@ -1,0 +1,165 @@
+"""EAGLE-1 and EAGLE-3 training modules."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from draftheads.heads import Eagle3Config, Eagle3Head, EagleConfig, EagleHead, LayerSpec, default_aux_layer_ids
+from draftheads.heads.vocab import DraftVocab, build_draft_vocab
+from draftheads.targets import check_layer_ids
+from draftheads.training.data import doc_causal_mask
+from draftheads.training.losses import eagle3_loss, eagle_loss, future_mask, linear_argmax, shift_left
+from draftheads.training.module import DraftHeadModule
+
+log = logging.getLogger(__name__)
+
+
+def _draft_vocab(module: DraftHeadModule, datamodule, size: int | None, coverage: float) -> DraftVocab:
+    vocab = build_draft_vocab(datamodule.token_counts(module.info.vocab_size), size=size, coverage=coverage)
+    log.warning("draft vocabulary: %d tokens covering %.1f%% of training target tokens", vocab.size, 100 * vocab.coverage)
+    module.draft_vocab_coverage = vocab.coverage
+    return vocab
+
+
+def _install_vocab(head, vocab: DraftVocab) -> None:
+    with torch.no_grad():
+        head.d2t.copy_(vocab.d2t)
+        head.t2d.copy_(vocab.t2d)
+
+
+class _EagleBase(DraftHeadModule):
+    def draft_ids(self) -> torch.Tensor | None:
+        if getattr(self.head.config, "draft_vocab_size", None):
+            return torch.arange(self.head.d2t.numel(), device=self.head.d2t.device) + self.head.d2t
+        return None
+
+    def target_argmax_in_head_vocab(self, last: torch.Tensor) -> torch.Tensor:
+        """[B, T]: the target's argmax at each position, as a head-vocabulary index (-1 if absent)."""
+        flat = linear_argmax(last.reshape(-1, last.shape[-1]), self.lm_head_weight.to(last.dtype))
+        ids = self.draft_ids()
+        if ids is not None:
+            lookup = torch.full((self.info.vocab_size,), -1, dtype=torch.long, device=flat.device)
+            lookup[ids] = torch.arange(ids.numel(), device=flat.device)
+            flat = lookup[flat]
+        return flat.view(last.shape[:2])
+
+    def teacher_weight(self, dtype) -> torch.Tensor:
+        w = self.lm_head_weight.to(dtype)
+        ids = self.draft_ids()
+        return w[ids] if ids is not None else w
+
+
+class EagleModule(_EagleBase):
+    head_type = "eagle"
+
+    def __init__(
+        self,
+        draft_vocab_size: int | None = None,
+        feature_noise: float = 0.2,
+        feature_weight: float = 1.0,
+        kl_weight: float = 0.1,
+        seed: int = 0,
+        **kwargs,
+    ):
+        """
+        Args:
+            draft_vocab_size: own lm_head over this many frequent tokens (None: the target's lm_head).
+            feature_noise: width of the uniform noise added to input features (EAGLE's U(-w/2, w/2)).
+            feature_weight: weight of the SmoothL1 feature-regression term.
+            kl_weight: weight of the KL term against the target's distribution.
+            seed: seed of the feature noise (a function of seed and step, so resumes are exact).
+            **kwargs: see :class:`DraftHeadModule`.
+        """
+        super().__init__(**kwargs)
+        self.save_hyperparameters()
+
+    def build_head(self, info, datamodule):
+        hp = self.hparams
+        head = EagleHead(EagleConfig(layer=LayerSpec.from_hf_config(self.target.config), vocab_size=info.vocab_size,
+                                     draft_vocab_size=hp.draft_vocab_size or None))
+        if hp.draft_vocab_size:
+            vocab = _draft_vocab(self, datamodule, hp.draft_vocab_size, 0.95)
+            _install_vocab(head, vocab)
+            with torch.no_grad():
+                head.lm_head.weight.copy_(self.lm_head_weight[vocab.draft_ids].float())
+        return head
+
+    def compute_loss(self, batch):
+        n = self.info.num_layers
+        f = self.features(batch, [n])[n]  # [B, T, H]
+        x = f
+        if self.training and self.hparams.feature_noise > 0:
+            g = torch.Generator(device="cpu").manual_seed(self.hparams.seed * 1_000_003 + self.global_step)
+            noise = torch.rand(f.shape, generator=g, dtype=torch.float32).to(f.device, f.dtype)
+            x = f + (noise - 0.5) * self.hparams.feature_noise
+        embeds = self.embed(shift_left(batch["input_ids"], 1)).to(f.dtype)
+        mask4d = doc_causal_mask(batch["doc_ids"], dtype=f.dtype)
+        pred, _ = self.head(embeds, x, batch["position_ids"], mask=mask4d)
+        valid = future_mask(batch["loss_mask"], batch["doc_ids"], 2)
+        loss, logs = eagle_loss(
+            pred, f, valid, self.head.projection(self.lm_head_weight.to(f.dtype)), self.teacher_weight(f.dtype),
+            self.target_argmax_in_head_vocab(f), self.hparams.feature_weight, self.hparams.kl_weight,
+            impl=self.hparams.loss_impl, chunk_size=self.hparams.loss_chunk_size,
+        )
+        acc = logs.pop("acc")
+        return loss, logs, [acc]
+
+
+class Eagle3Module(_EagleBase):
+    head_type = "eagle3"
+
+    def __init__(
+        self,
+        aux_layer_ids: list[int] | None = None,
+        draft_vocab_size: int | None = None,
+        vocab_coverage: float = 0.95,
+        ttt_steps: int = 7,
+        decay: float = 0.8,
+        **kwargs,
+    ):
+        """
+        Args:
+            aux_layer_ids: HF hidden-state ids of the three target layers (default (2, L//2, L-3)).
+            draft_vocab_size: draft vocabulary size (None: the fewest tokens covering ``vocab_coverage``).
+            vocab_coverage: fraction of training target tokens the automatic draft vocabulary covers.
+            ttt_steps: training-time-test unroll length.
+            decay: loss weight of step j is decay**j.
+            **kwargs: see :class:`DraftHeadModule`.
+        """
+        super().__init__(**kwargs)
+        self.save_hyperparameters()
+
+    def build_head(self, info, datamodule):
+        hp = self.hparams
+        vocab = _draft_vocab(self, datamodule, hp.draft_vocab_size, hp.vocab_coverage)
+        ids = tuple(hp.aux_layer_ids) if hp.aux_layer_ids else default_aux_layer_ids(info.num_layers)
+        check_layer_ids(ids, info.num_layers, "model.aux_layer_ids")
+        head = Eagle3Head(Eagle3Config(
+            layer=LayerSpec.from_hf_config(self.target.config), vocab_size=info.vocab_size,
+            draft_vocab_size=vocab.size, aux_layer_ids=ids, target_hidden_size=info.hidden_size,
+            ttt_steps=hp.ttt_steps,
+        ))
+        _install_vocab(head, vocab)
+        with torch.no_grad():
+            head.lm_head.weight.copy_(self.lm_head_weight[vocab.draft_ids].float())
+        return head
+
+    def compute_loss(self, batch):
+        cfg = self.head.config
+        n = self.info.num_layers
+        feats = self.features(batch, sorted(set(cfg.aux_layer_ids) | {n}))
+        aux = torch.cat([feats[i] for i in cfg.aux_layer_ids], -1)
+        last = feats[n]
+        ids = batch["input_ids"]
+        prefix_mask = doc_causal_mask(batch["doc_ids"], dtype=aux.dtype)
+        outs = self.head.ttt(
+            aux, lambda j: self.embed(shift_left(ids, 1 + j)).to(aux.dtype), batch["position_ids"], prefix_mask
+        )
+        loss, per_step, accs = eagle3_loss(
+            outs, last, batch["loss_mask"], batch["doc_ids"], self.head.lm_head.weight, self.teacher_weight(last.dtype),
+            self.target_argmax_in_head_vocab(last), decay=self.hparams.decay,
+            impl=self.hparams.loss_impl, chunk_size=self.hparams.loss_chunk_size,
+        )
+        return loss, {f"loss_{j + 1}": v for j, v in enumerate(per_step)}, accs

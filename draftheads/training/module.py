@@ -1,0 +1,204 @@
+"""Shared wiring of the per-family LightningModules: frozen target + head + loss, no math of its own.
+
+The target is built in ``configure_model`` (so strategies place or shard it), kept in eval mode, out of
+the optimizer and out of checkpoints; checkpoints hold the head's weights and the optimizer state.
+At the end of ``fit`` rank 0 writes a standalone head directory (``head_dir``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import lightning as L
+import torch
+
+from draftheads.errors import DraftheadsError
+from draftheads.heads import check_head_fits_target, save_head
+from draftheads.inference.metrics import simulated_tau
+from draftheads.targets import freeze, hidden_states, load_target
+from draftheads.training.data import doc_causal_mask
+
+log = logging.getLogger(__name__)
+
+
+class DraftHeadModule(L.LightningModule):
+    """Base class; subclasses define ``build_head``, ``feature_layer_ids`` and ``compute_loss``."""
+
+    head_type = ""
+
+    def __init__(
+        self,
+        target: str = "smollm2-135m",
+        target_dtype: str = "float32",
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.1,
+        head_dir: str | None = None,
+        loss_impl: str = "auto",
+        loss_chunk_size: int = 1024,
+        trust_remote_code: bool = False,
+    ):
+        """
+        Args:
+            target: target spec (``smollm2-135m``, a model directory, a .gguf file or a hub id).
+            target_dtype: dtype of the frozen target (float32, bfloat16, float16).
+            lr: peak learning rate of AdamW.
+            weight_decay: AdamW weight decay.
+            betas: AdamW betas.
+            warmup_steps: linear warmup steps, then cosine decay to ``min_lr_ratio * lr``.
+            min_lr_ratio: final learning rate as a fraction of ``lr``.
+            head_dir: where the standalone head directory is written at the end of fit.
+            loss_impl: ``auto`` (Liger on CUDA, chunked torch elsewhere), ``liger`` or ``chunked``.
+            loss_chunk_size: rows per chunk of the chunked loss.
+            trust_remote_code: allow custom modeling code for hub targets.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        if lr <= 0:
+            raise DraftheadsError(f"model.lr={lr} must be > 0")
+        self.target: torch.nn.Module | None = None
+        self.head: torch.nn.Module | None = None
+        self.info = None
+        self.strict_loading = False  # checkpoints hold no target weights
+        self._tokens_seen = 0
+        self._t0 = None
+
+    # ------------------------------------------------------------------ building
+
+    def configure_model(self) -> None:
+        if self.target is not None:
+            return
+        loaded = load_target(
+            self.hparams.target, dtype=self.hparams.target_dtype, trust_remote_code=self.hparams.trust_remote_code
+        )
+        self.target = freeze(loaded.model)
+        self.info = loaded.info
+        if self.head is None:
+            dm = self.trainer.datamodule if self._trainer is not None else None
+            self.head = self.build_head(self.info, dm)
+        check_head_fits_target(self.head, self.info)
+
+    def build_head(self, info, datamodule):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.target is not None:
+            self.target.eval()  # the target never leaves eval mode
+        return self
+
+    # ------------------------------------------------------------------ target access
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.target.get_output_embeddings().weight
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.target.get_input_embeddings()(ids)
+
+    def features(self, batch: dict, layer_ids) -> dict[int, torch.Tensor]:
+        """Target hidden states at ``layer_ids``: from the batch (offline cache) or a target forward."""
+        cached = {i: batch[f"feat_{i}"] for i in layer_ids if f"feat_{i}" in batch}
+        if len(cached) == len(layer_ids):
+            return {i: cached[i].to(self.head_dtype) for i in layer_ids}
+        mask = doc_causal_mask(batch["doc_ids"], dtype=self.target_dtype)
+        with torch.no_grad():
+            feats, _ = hidden_states(
+                self.target, batch["input_ids"], layer_ids, attention_mask=mask, position_ids=batch["position_ids"]
+            )
+        return {i: f.to(self.head_dtype) for i, f in feats.items()}
+
+    @property
+    def head_dtype(self) -> torch.dtype:
+        return next(self.head.parameters()).dtype
+
+    @property
+    def target_dtype(self) -> torch.dtype:
+        return next(self.target.parameters()).dtype
+
+    # ------------------------------------------------------------------ steps
+
+    def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict, list[float]]:  # pragma: no cover
+        """(loss, scalar logs, per-position top-1 accuracies)."""
+        raise NotImplementedError
+
+    def training_step(self, batch, batch_idx):
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+        loss, logs, accs = self.compute_loss(batch)
+        if not torch.isfinite(loss):
+            ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "none yet"
+            raise DraftheadsError(
+                f"training loss is {loss.item()} at step {self.global_step}: stopped; last good checkpoint: "
+                f"{ckpt}; lower model.lr or check the data"
+            )
+        self._tokens_seen += int(batch["input_ids"].numel())
+        tok_s = self._tokens_seen / max(time.perf_counter() - self._t0, 1e-9)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/tok_s", tok_s, prog_bar=True)
+        for k, v in logs.items():
+            self.log(f"train/{k}", v)
+        for j, a in enumerate(accs):
+            if not math.isnan(a):
+                self.log(f"train/acc_{j + 1}", a)
+        sched = self.lr_schedulers()
+        if sched is not None:
+            self.log("train/lr", sched.get_last_lr()[0])
+        return loss
+
+    def on_validation_epoch_start(self):
+        self._val_hits: list[list[float]] = []
+
+    def validation_step(self, batch, batch_idx):
+        loss, _, accs = self.compute_loss(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self._val_hits.append(accs)
+
+    def on_validation_epoch_end(self):
+        if not self._val_hits:
+            return
+        k = max(len(a) for a in self._val_hits)
+        means = []
+        for j in range(k):
+            vals = [a[j] for a in self._val_hits if j < len(a) and not math.isnan(a[j])]
+            means.append(sum(vals) / len(vals) if vals else 0.0)
+        for j, m in enumerate(means):
+            self.log(f"val/acc_{j + 1}", m, sync_dist=True)
+        self.log("val/sim_tau", simulated_tau(means), prog_bar=True, sync_dist=True)
+        self.last_val_accuracies = means
+
+    # ------------------------------------------------------------------ optimisation
+
+    def configure_optimizers(self):
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.hparams.lr, betas=tuple(self.hparams.betas),
+                                weight_decay=self.hparams.weight_decay)
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warm, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
+
+        def factor(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            progress = min((step - warm) / max(total - warm, 1), 1.0)
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ------------------------------------------------------------------ checkpoints and export
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("target.")}
+
+    def on_fit_end(self) -> None:
+        if self.hparams.head_dir and self.trainer.is_global_zero:
+            extra = {"target": self.hparams.target}
+            if getattr(self, "last_val_accuracies", None):
+                extra["val_accuracies"] = self.last_val_accuracies
+                extra["val_sim_tau"] = simulated_tau(self.last_val_accuracies)
+            save_head(self.head, self.hparams.head_dir, extra)
+            log.warning("head written to %s", self.hparams.head_dir)
