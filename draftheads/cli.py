@@ -51,6 +51,56 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_distill(args) -> int:
+    from draftheads.prompts import load_prompts
+    from draftheads.targets import load_target
+    from draftheads.training.distill import distill
+
+    prompts = load_prompts(args.prompts, domains=args.domains, limit_per_domain=args.limit_per_domain)
+    target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    out = distill(target, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size, args.seed,
+                  progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(out)
+    return 0
+
+
+def feature_layers(spec: str, num_layers: int) -> list[int]:
+    """``eagle3`` (default aux ids + last), ``eagle``/``medusa`` (last) or a comma list of HF ids."""
+    from draftheads.heads import default_aux_layer_ids
+
+    if spec == "eagle3":
+        return sorted(set(default_aux_layer_ids(num_layers)) | {num_layers})
+    if spec in ("eagle", "medusa"):
+        return [num_layers]
+    try:
+        return [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise DraftheadsError(f"--layers {spec!r}: use eagle3, eagle, medusa or a comma list like 2,15,27,30") from None
+
+
+def cmd_cache_features(args) -> int:
+    from draftheads.targets import load_target
+    from draftheads.training.data import build_dataset
+    from draftheads.training.features import write_feature_cache
+
+    target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    train, val, stats = build_dataset(target.tokenizer, args.data, args.max_length, not args.no_pack,
+                                      args.val_fraction, args.seed, tokenizer_key=args.target)
+    layers = feature_layers(args.layers, target.info.num_layers)
+    rows = {"train": list(train), "val": list(val)}
+    total, done = sum(len(r) for r in rows.values()), [0]
+
+    def progress(n):
+        done[0] += n
+        print(f"cache-features: {done[0]}/{total} rows", file=sys.stderr, flush=True)
+
+    out = write_feature_cache(target.model, rows, layers, args.out, args.target, batch_size=args.batch_size,
+                              dtype=target.info.dtype, progress=progress)
+    print(json.dumps({"out": str(out), "layers": layers, "rows": {k: len(v) for k, v in rows.items()},
+                      "tokens": stats["train"]["tokens"] + stats["val"]["tokens"]}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftheads", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -66,6 +116,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("distill", help="regenerate answers with the target (self-distillation data)")
+    _add_target_args(p)
+    p.add_argument("--prompts", required=True, help="prompt file, or bundled:train / bundled:eval")
+    p.add_argument("--out", required=True)
+    p.add_argument("--domains", nargs="*", default=None)
+    p.add_argument("--limit-per-domain", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_distill)
+
+    p = sub.add_parser("cache-features", help="write target hidden states for offline training")
+    _add_target_args(p)
+    p.add_argument("--data", nargs="+", required=True, help="training jsonl files (as data.train_files)")
+    p.add_argument("--layers", default="eagle3", help="eagle3 | eagle | medusa | comma list of HF hidden-state ids")
+    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-pack", action="store_true")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_cache_features)
     return parser
 
 

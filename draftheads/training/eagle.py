@@ -10,7 +10,7 @@ from draftheads.heads import Eagle3Config, Eagle3Head, EagleConfig, EagleHead, L
 from draftheads.heads.vocab import DraftVocab, build_draft_vocab
 from draftheads.targets import check_layer_ids
 from draftheads.training.data import doc_causal_mask
-from draftheads.training.losses import eagle3_loss, eagle_loss, future_mask, linear_argmax, shift_left
+from draftheads.training.losses import eagle3_loss, eagle_loss, future_mask, shift_left
 from draftheads.training.module import DraftHeadModule
 
 log = logging.getLogger(__name__)
@@ -35,9 +35,9 @@ class _EagleBase(DraftHeadModule):
             return torch.arange(self.head.d2t.numel(), device=self.head.d2t.device) + self.head.d2t
         return None
 
-    def target_argmax_in_head_vocab(self, last: torch.Tensor) -> torch.Tensor:
+    def target_argmax_in_head_vocab(self, batch: dict, last: torch.Tensor) -> torch.Tensor:
         """[B, T]: the target's argmax at each position, as a head-vocabulary index (-1 if absent)."""
-        flat = linear_argmax(last.reshape(-1, last.shape[-1]), self.lm_head_weight.to(last.dtype))
+        flat = self.target_argmax(batch, last).reshape(-1)
         ids = self.draft_ids()
         if ids is not None:
             lookup = torch.full((self.info.vocab_size,), -1, dtype=torch.long, device=flat.device)
@@ -100,7 +100,7 @@ class EagleModule(_EagleBase):
         valid = future_mask(batch["loss_mask"], batch["doc_ids"], 2)
         loss, logs = eagle_loss(
             pred, f, valid, self.head.projection(self.lm_head_weight.to(f.dtype)), self.teacher_weight(f.dtype),
-            self.target_argmax_in_head_vocab(f), self.hparams.feature_weight, self.hparams.kl_weight,
+            self.target_argmax_in_head_vocab(batch, f), self.hparams.feature_weight, self.hparams.kl_weight,
             impl=self.hparams.loss_impl, chunk_size=self.hparams.loss_chunk_size,
         )
         acc = logs.pop("acc")
@@ -159,7 +159,7 @@ class Eagle3Module(_EagleBase):
         )
         loss, per_step, accs = eagle3_loss(
             outs, last, batch["loss_mask"], batch["doc_ids"], self.head.lm_head.weight, self.teacher_weight(last.dtype),
-            self.target_argmax_in_head_vocab(last), decay=self.hparams.decay,
+            self.target_argmax_in_head_vocab(batch, last), decay=self.hparams.decay,
             impl=self.hparams.loss_impl, chunk_size=self.hparams.loss_chunk_size,
         )
         return loss, {f"loss_{j + 1}": v for j, v in enumerate(per_step)}, accs

@@ -25,8 +25,14 @@ def write_feature_cache(
     model, rows_by_split: dict, layer_ids, out: str | os.PathLike, target_name: str,
     batch_size: int = 4, shard_rows: int = 256, dtype=torch.bfloat16, progress=None,
 ) -> Path:
-    """Write ``{split}-{shard:05d}.safetensors`` with row tensors and ``feat_{id}`` [rows, T, H]."""
-    layer_ids = check_layer_ids(layer_ids, model.config.get_text_config().num_hidden_layers, "feature layers")
+    """Write ``{split}-{shard:05d}.safetensors`` with the row tensors, ``feat_{id}`` [rows, T, H] and
+    ``target_argmax`` [rows, T] (the target's greedy next token at each position)."""
+    from draftheads.training.losses import linear_argmax
+
+    lm_head = model.get_output_embeddings().weight
+    last = model.config.get_text_config().num_hidden_layers
+    layer_ids = check_layer_ids(layer_ids, last, "feature layers")
+    wanted = sorted(set(layer_ids) | {last})
     index = {"target": target_name, "layer_ids": list(layer_ids), "dtype": str(dtype).replace("torch.", ""),
              "splits": {}}
     with atomic_dir(out) as tmp:
@@ -36,16 +42,20 @@ def write_feature_cache(
                 chunk = rows[s : s + shard_rows]
                 tensors = collate(chunk)
                 feats = {i: [] for i in layer_ids}
+                argmax = []
                 for b in range(0, len(chunk), batch_size):
                     part = {k: v[b : b + batch_size] for k, v in tensors.items()}
                     mask = doc_causal_mask(part["doc_ids"], dtype=next(model.parameters()).dtype)
-                    hs, _ = hidden_states(model, part["input_ids"], layer_ids, attention_mask=mask,
+                    hs, _ = hidden_states(model, part["input_ids"], wanted, attention_mask=mask,
                                           position_ids=part["position_ids"])
                     for i in layer_ids:
                         feats[i].append(hs[i].to(dtype).cpu())
+                    h = hs[last]
+                    argmax.append(linear_argmax(h.reshape(-1, h.shape[-1]), lm_head).view(h.shape[:2]).cpu())
                     if progress:
                         progress(len(part["input_ids"]))
                 tensors.update({f"feat_{i}": torch.cat(v) for i, v in feats.items()})
+                tensors["target_argmax"] = torch.cat(argmax)
                 name = f"{split}-{len(shards):05d}.safetensors"
                 save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / name))
                 shards.append({"file": name, "rows": len(chunk)})

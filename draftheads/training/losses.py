@@ -196,7 +196,7 @@ def medusa_loss(
         if not (tgt != IGNORE_INDEX).any():
             losses.append(total.new_zeros(()))
             accs.append(float("nan"))
-            total = total + feats[i].sum() * 0.0
+            total = total + feats[i].sum() * 0.0 + projections[i].sum() * 0.0  # every parameter in the graph (DDP)
             continue
         loss = linear_cross_entropy(h, projections[i], tgt, **kw)
         total = total + (decay**k) * loss
@@ -220,7 +220,7 @@ def eagle_loss(
     nxt = shift_left(features, 1)
     p, f = pred[mask], nxt[mask].detach()
     if p.shape[0] == 0:
-        z = pred.sum() * 0.0
+        z = pred.sum() * 0.0 + student_w.sum() * 0.0
         return z, {"reg": z.detach(), "kl": z.detach(), "acc": float("nan")}
     reg = F.smooth_l1_loss(p.float(), f.float(), reduction="none").mean(-1).mean()
     kl = linear_kl(p, student_w, f, teacher_w, **kw)
@@ -258,7 +258,7 @@ def eagle3_loss(
             accs.append(float("nan"))
         if not in_vocab.any():
             losses.append(total.new_zeros(()))
-            total = total + out.sum() * 0.0
+            total = total + out.sum() * 0.0 + student_w.sum() * 0.0  # keep every parameter in the graph (DDP)
             continue
         kl = linear_kl(out[in_vocab], student_w, shift_left(features, 1 + j)[in_vocab], teacher_w, **kw)
         total = total + (decay**j) * kl

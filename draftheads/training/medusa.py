@@ -6,7 +6,7 @@ import torch
 
 from draftheads.heads import MedusaConfig, MedusaHeads
 from draftheads.heads.vocab import build_draft_vocab
-from draftheads.training.losses import IGNORE_INDEX, linear_argmax, medusa_loss
+from draftheads.training.losses import IGNORE_INDEX, medusa_loss
 from draftheads.training.module import DraftHeadModule
 
 
@@ -56,10 +56,9 @@ class MedusaModule(DraftHeadModule):
         n = self.info.num_layers
         h = self.features(batch, [n])[n]  # [B, T, H] last hidden state, post-norm
         if self.hparams.labels == "target":
-            flat = linear_argmax(h.reshape(-1, h.shape[-1]), self.lm_head_weight.to(h.dtype))
             # the target's prediction at t-1 is the label of the token at t
             tokens = torch.cat([torch.full_like(batch["input_ids"][:, :1], IGNORE_INDEX),
-                                flat.view(h.shape[:2])[:, :-1]], 1)
+                                self.target_argmax(batch, h)[:, :-1]], 1)
         else:
             tokens = batch["input_ids"]
         labels = self._to_head_vocab(tokens)

@@ -19,6 +19,7 @@ from draftheads.heads import check_head_fits_target, save_head
 from draftheads.inference.metrics import simulated_tau
 from draftheads.targets import freeze, hidden_states, load_target
 from draftheads.training.data import doc_causal_mask
+from draftheads.training.losses import linear_argmax
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,13 @@ class DraftHeadModule(L.LightningModule):
                 self.target, batch["input_ids"], layer_ids, attention_mask=mask, position_ids=batch["position_ids"]
             )
         return {i: f.to(self.head_dtype) for i, f in feats.items()}
+
+    def target_argmax(self, batch: dict, last: torch.Tensor) -> torch.Tensor:
+        """[B, T] target's greedy next token at each position (cached offline, or from ``last``)."""
+        if "target_argmax" in batch:
+            return batch["target_argmax"]
+        flat = linear_argmax(last.reshape(-1, last.shape[-1]), self.lm_head_weight.to(last.dtype))
+        return flat.view(last.shape[:2])
 
     @property
     def head_dtype(self) -> torch.dtype:

@@ -117,3 +117,26 @@ def test_zero_assistant_tokens_and_missing_answers(tok, tmp_path):
     f.write_text(json.dumps({"id": "a", "domain": "chat", "turns": ["q"]}) + "\n")
     with pytest.raises(DraftheadsError, match="draftheads distill"):
         build_dataset(tok, [str(f)], max_length=64, cache=False)
+
+
+def test_offline_features_equal_online(tiny_llama_dir, tmp_path):
+    from draftheads.cli import main as cli
+    from draftheads.targets import hidden_states, load_target
+    from draftheads.training.features import FeatureDataset, collate_features
+
+    rows = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"answer number {i}"}]}
+            for i in range(6)]
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "feats"
+    assert cli(["cache-features", "--target", str(tiny_llama_dir), "--data", str(f), "--layers", "1,2,4",
+                "--max-length", "32", "--val-fraction", "0.2", "--out", str(out)]) == 0
+    ds = FeatureDataset(out, "train")
+    assert ds.layer_ids == [1, 2, 4] and len(ds) >= 1
+    batch = collate_features([ds[0]])
+    model = load_target(str(tiny_llama_dir)).model
+    online, logits = hidden_states(model, batch["input_ids"], [1, 4], attention_mask=doc_causal_mask(batch["doc_ids"]),
+                                   position_ids=batch["position_ids"], return_logits=True)
+    torch.testing.assert_close(batch["feat_4"], online[4])
+    torch.testing.assert_close(batch["feat_1"], online[1])
+    assert torch.equal(batch["target_argmax"], logits.argmax(-1))

@@ -1,0 +1,136 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from draftheads.testing import save_tiny_llama
+from draftheads.training.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("train")
+    save_tiny_llama(d / "tiny")
+    rows = [
+        {"messages": [{"role": "user", "content": f"What is {i} plus {i + 1}?"},
+                      {"role": "assistant", "content": f"The answer is {2 * i + 1}. The quick brown fox."}]}
+        for i in range(24)
+    ]
+    (d / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def _config(workdir, run: str, model: str, epochs: int, extra_model=None, **trainer):
+    cfg = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu", "devices": 1, "max_epochs": epochs, "logger": False,
+            "enable_progress_bar": False, "enable_model_summary": False,
+            "default_root_dir": str(workdir / run),
+            "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                           "init_args": {"dirpath": str(workdir / run / "ckpt"), "save_last": True,
+                                         "every_n_epochs": 1, "save_top_k": -1}}],
+            **trainer,
+        },
+        "model": {"class_path": f"draftheads.training.{model}",
+                  "init_args": {"target": str(workdir / "tiny"), "lr": 3e-3, "head_dir": str(workdir / run / "head"),
+                                **(extra_model or {})}},
+        "data": {"train_files": [str(workdir / "data.jsonl")], "max_length": 96, "batch_size": 4,
+                 "val_fraction": 0.2},
+    }
+    path = workdir / f"{run}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _weights(workdir, run):
+    return load_file(str(workdir / run / "head" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("model,extra", [
+    ("EagleModule", {"feature_noise": 0.2}),
+    ("Eagle3Module", {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3]}),
+    ("MedusaModule", {"num_heads": 2, "draft_vocab_size": 40}),
+])
+def test_interrupted_and_resumed_equals_uninterrupted(workdir, model, extra):
+    full = _config(workdir, f"full-{model}", model, 2, extra)
+    assert main(["fit", "--config", str(full)]) == 0
+    part = _config(workdir, f"part-{model}", model, 2, extra)
+    stop = '{"class_path": "_interrupt.StopAfterEpoch", "init_args": {"epoch": 0}}'
+    assert main(["fit", "--config", str(part), "--trainer.callbacks+=" + stop]) == 0
+    ckpt = torch.load(workdir / f"part-{model}" / "ckpt" / "last.ckpt", weights_only=False)
+    assert ckpt["epoch"] == 0  # interrupted after the first of two epochs
+    assert main(["fit", "--config", str(part), "--ckpt_path", "last"]) == 0
+    a, b = _weights(workdir, f"full-{model}"), _weights(workdir, f"part-{model}")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+    # checkpoints hold only the head and the optimizer, not the target
+    ckpt = torch.load(workdir / f"part-{model}" / "ckpt" / "last.ckpt", weights_only=False)
+    assert ckpt["state_dict"] and all(k.startswith("head.") for k in ckpt["state_dict"])
+    assert ckpt["optimizer_states"]
+    meta = json.loads((workdir / f"part-{model}" / "head" / "config.json").read_text())
+    assert len(meta["val_accuracies"]) >= 1
+
+
+def test_two_process_ddp_ends_with_equal_weights(workdir):
+    cfg = _config(workdir, "ddp", "Eagle3Module", 1, {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3]})
+    data = yaml.safe_load(cfg.read_text())
+    data["trainer"]["callbacks"][0]["init_args"].update({"save_last": False, "save_top_k": 1})
+    data["trainer"]["callbacks"].append({"class_path": "draftheads.training.callbacks.WeightDigest",
+                                         "init_args": {"out_dir": str(workdir / "ddp" / "digests")}})
+    cfg.write_text(yaml.safe_dump(data))
+    r = subprocess.run(
+        [sys.executable, "-m", "draftheads.training.cli", "fit", "--config", str(cfg),
+         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"],
+        capture_output=True, text=True, cwd=workdir, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    digests = [(workdir / "ddp" / "digests" / f"digest-rank{i}.txt").read_text() for i in (0, 1)]
+    assert digests[0] == digests[1]
+    assert len(list((workdir / "ddp" / "ckpt").glob("*.ckpt"))) == 1
+    assert (workdir / "ddp" / "head" / "model.safetensors").is_file()
+
+
+def test_unknown_config_key_names_the_key(workdir, capsys):
+    cfg = _config(workdir, "bad", "Eagle3Module", 1, {"not_a_knob": 3})
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--config", str(cfg)])
+    assert e.value.code != 0
+    assert "not_a_knob" in capsys.readouterr().err
+
+
+def test_nan_loss_stops_with_step_and_checkpoint(workdir, tmp_path, capsys):
+    bad = save_tiny_llama(tmp_path / "nan-target")
+    w = load_file(str(bad / "model.safetensors"))
+    w["model.norm.weight"][:] = float("nan")
+    from safetensors.torch import save_file
+
+    save_file(w, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    cfg = _config(workdir, "nan", "EagleModule", 1)
+    data = yaml.safe_load(cfg.read_text())
+    data["model"]["init_args"]["target"] = str(bad)
+    cfg.write_text(yaml.safe_dump(data))
+    assert main(["fit", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: training loss is nan at step 0") and "last good checkpoint" in err
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_parses_and_names_its_command(path, capsys, monkeypatch):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# train-head fit --config configs/" + path.name), first
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--config", str(path.relative_to(ROOT)), "--print_config"])
+    assert e.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["class_path"].startswith("draftheads.training.")
+    assert printed["model"]["init_args"]["head_dir"].startswith("runs/")
