@@ -18,6 +18,7 @@ final norm. :func:`hidden_states` reads them through forward hooks, without touc
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import json
@@ -271,6 +272,29 @@ def check_layer_ids(layer_ids, num_layers: int, what: str = "layer_ids") -> tupl
     return ids
 
 
+@contextlib.contextmanager
+def capture_hidden_states(model: nn.Module, layer_ids):
+    """Within the block, every forward of ``model`` fills the yielded dict with ``{id: hidden}``
+    at the requested HF hidden-state ids (forward hooks; the modeling code is untouched)."""
+    embed, layers, norm = decoder_parts(model)
+    ids = check_layer_ids(layer_ids, len(layers))
+    found: dict[int, torch.Tensor] = {}
+
+    def grab(i):
+        def hook(_module, _args, out):
+            found[i] = out[0] if isinstance(out, tuple) else out
+        return hook
+
+    modules = {0: embed, len(layers): norm}
+    modules.update({i: layers[i - 1] for i in range(1, len(layers))})
+    handles = [modules[i].register_forward_hook(grab(i)) for i in ids]
+    try:
+        yield found
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @torch.no_grad()
 def hidden_states(
     model: nn.Module,
@@ -285,19 +309,8 @@ def hidden_states(
     Without ``return_logits`` the vocabulary projection is skipped (the decoder runs alone).
     """
     assert input_ids.dim() == 2, f"input_ids must be [batch, seq], got {tuple(input_ids.shape)}"
-    embed, layers, norm = decoder_parts(model)
-    ids = check_layer_ids(layer_ids, len(layers))
-    found: dict[int, torch.Tensor] = {}
-
-    def grab(i):
-        def hook(_module, _args, out):
-            found[i] = out[0] if isinstance(out, tuple) else out
-        return hook
-
-    modules = {0: embed, len(layers): norm}
-    modules.update({i: layers[i - 1] for i in range(1, len(layers))})
-    handles = [modules[i].register_forward_hook(grab(i)) for i in ids]
-    try:
+    ids = check_layer_ids(layer_ids, len(decoder_parts(model)[1]))
+    with capture_hidden_states(model, ids) as found:
         if return_logits:
             logits = model(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
@@ -306,7 +319,4 @@ def hidden_states(
             base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
             base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
             logits = None
-    finally:
-        for h in handles:
-            h.remove()
     return {i: found[i] for i in ids}, logits

@@ -1,0 +1,83 @@
+"""Peak memory and time of the vocabulary loss, plain (materialised logits) vs fused/chunked.
+
+Each measurement runs in a fresh subprocess; peak memory is the growth of the process's peak RSS
+(CPU) or of ``torch.cuda.max_memory_allocated`` (CUDA) over the inputs already allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+CASES = {49152: 576, 128256: 4096}  # vocab -> hidden size (SmolLM2, Llama-3)
+
+
+def _measure(kind: str, loss: str, vocab: int, hidden: int, tokens: int, device: str) -> dict:
+    from draftheads.training.losses import (
+        linear_cross_entropy, linear_kl, plain_linear_cross_entropy, plain_linear_kl,
+    )
+
+    torch.manual_seed(0)
+    h = torch.randn(tokens, hidden, device=device, requires_grad=True)
+    w = torch.randn(vocab, hidden, device=device) * 0.02  # frozen lm_head
+    labels = torch.randint(0, vocab, (tokens,), device=device)
+    ht = torch.randn(tokens, hidden, device=device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.max_memory_allocated()
+    else:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t0 = time.perf_counter()
+    if loss == "ce":
+        out = plain_linear_cross_entropy(h, w, labels) if kind == "plain" else linear_cross_entropy(h, w, labels)
+    else:
+        out = plain_linear_kl(h, w, ht, w) if kind == "plain" else linear_kl(h, w, ht, w)
+    out.backward()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"peak_mb": (peak - base) / 2**20, "time_s": time.perf_counter() - t0, "loss": float(out)}
+
+
+def run(tokens: int = 4096, vocabs=tuple(CASES), device: str | None = None, progress=print) -> dict:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    results: dict = {"tokens": tokens, "device": device, "impl": "liger" if device == "cuda" else "chunked", "vocab": {}}
+    for vocab in vocabs:
+        hidden = CASES.get(vocab, 4096)
+        row = {"hidden": hidden}
+        for loss in ("ce", "kl"):
+            for kind in ("plain", "fused"):
+                args = json.dumps([kind, loss, vocab, hidden, tokens, device])
+                code = f"import json; from draftheads.bench.loss_memory import _measure; print(json.dumps(_measure(*json.loads({args!r}))))"
+                r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+                row[f"{loss}_{kind}"] = json.loads(r.stdout.strip().splitlines()[-1])
+                progress(f"loss-memory V={vocab} {loss} {kind}: {row[f'{loss}_{kind}']['peak_mb']:.0f} MB")
+            row[f"{loss}_ratio"] = row[f"{loss}_fused"]["peak_mb"] / max(row[f"{loss}_plain"]["peak_mb"], 1e-9)
+        row["plain_mb"] = row["ce_plain"]["peak_mb"]
+        row["fused_mb"] = row["ce_fused"]["peak_mb"]
+        results["vocab"][str(vocab)] = row
+    return results
+
+
+def table(results: dict) -> str:
+    lines = [
+        f"loss memory, {results['tokens']} tokens, {results['device']} ({results['impl']} fused path)",
+        "| vocab | hidden | loss | plain MB | fused MB | fused/plain | plain s | fused s | |loss diff| |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for v, row in results["vocab"].items():
+        for loss in ("ce", "kl"):
+            p, f = row[f"{loss}_plain"], row[f"{loss}_fused"]
+            lines.append(
+                f"| {v} | {row['hidden']} | {loss} | {p['peak_mb']:.0f} | {f['peak_mb']:.0f} | "
+                f"{row[f'{loss}_ratio']:.1%} | {p['time_s']:.2f} | {f['time_s']:.2f} | {abs(p['loss'] - f['loss']):.2e} |"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,135 @@
+"""Tree attention over the paged KV cache, plugged into unmodified HF models.
+
+One target forward runs the query tokens of every batch row flattened into a single sequence
+(``input_ids`` [1, total_q]), as vLLM treats a K-token verification as an ordinary row with query
+length K+1. Two pieces reach into the model without touching its code:
+
+* :class:`StepCache`, passed as the model's cache: its ``update`` writes the new K/V (after RoPE)
+  into the paged cache at the step's slots;
+* :func:`paged_tree_attention`, registered through ``AttentionInterface`` as ``draftheads_paged``:
+  each query token attends to its row's committed prefix plus its tree ancestors and itself.
+
+The torch path gathers each row's K/V and calls SDPA with an additive float mask (transformers'
+eager path is silently wrong with bool 4D masks). The Triton path (``draftheads.kernels``) reads the
+pages directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from draftheads.inference.kv_cache import PagedKVCache
+
+ATTN_NAME = "draftheads_paged"
+
+
+@dataclass
+class PagedStep:
+    """Per-forward attention metadata (vLLM's attention-metadata analogue)."""
+
+    cache: PagedKVCache
+    query_start: list[int]  # [rows + 1] offsets of each row's query tokens in the flattened batch
+    prefix_lens: list[int]  # committed K/V length of each row before this forward
+    write_slots: torch.Tensor  # [total_q] slot of each query token
+    row_slots: list[torch.Tensor]  # per row: slots of prefix + query tokens [prefix_len + q]
+    tree_masks: list[torch.Tensor]  # per row: [q, q] bool, True where query i may attend to query j
+    block_tables: list[list[int]] = field(default_factory=list)
+    use_triton: bool = False
+    _additive: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def rows(self) -> int:
+        return len(self.prefix_lens)
+
+    def additive_mask(self, row: int, dtype: torch.dtype) -> torch.Tensor:
+        """[q, prefix + q] additive mask of one row (built once per forward and dtype)."""
+        key = (row, dtype)
+        if key not in self._additive:
+            tree = self.tree_masks[row]
+            q = tree.shape[0]
+            m = torch.zeros(q, self.prefix_lens[row] + q, dtype=dtype, device=tree.device)
+            m[:, self.prefix_lens[row]:].masked_fill_(~tree, float("-inf"))
+            self._additive[key] = m
+        return self._additive[key]
+
+
+class StepCache:
+    """The model's cache for one forward: writes each layer's new K/V into the paged cache."""
+
+    is_compileable = False
+
+    def __init__(self, step: PagedStep):
+        self.step = step
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # key/value [1, kv_heads, total_q, head_dim]
+        self.step.cache.write(layer_idx, self.step.write_slots, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def torch_paged_tree_attention(query, step: PagedStep, layer: int, scaling: float) -> torch.Tensor:
+    """Reference: query [1, H, total_q, D] -> [total_q, H, D]."""
+    out = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
+    for b in range(step.rows):
+        s, e = step.query_start[b], step.query_start[b + 1]
+        if e == s:
+            continue
+        k, v = step.cache.gather(layer, step.row_slots[b])  # [S, kv_heads, D]
+        q = query[0, :, s:e]  # [H, q, D]
+        o = F.scaled_dot_product_attention(
+            q, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+            attn_mask=step.additive_mask(b, q.dtype), scale=scaling, enable_gqa=True,
+        )
+        out[s:e] = o.transpose(0, 1)
+    return out
+
+
+def paged_tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """AttentionInterface entry: K/V were written by :class:`StepCache`; read them from the pages."""
+    step: PagedStep = kwargs["paged_step"]
+    if step.use_triton:
+        from draftheads.kernels.tree_attention import paged_tree_attention_triton
+
+        out = paged_tree_attention_triton(query, step, module.layer_idx, scaling)
+    else:
+        out = torch_paged_tree_attention(query, step, module.layer_idx, scaling)
+    return out.unsqueeze(0), None  # [1, total_q, H, D]
+
+
+_registered = False
+
+
+def ensure_registered() -> None:
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTN_NAME, paged_tree_attention)
+        _registered = True
+
+
+@contextlib.contextmanager
+def paged_attention(model):
+    """Run ``model`` with the paged tree attention for the duration of the block."""
+    ensure_registered()
+    cfg = model.config
+    old = cfg._attn_implementation
+    cfg._attn_implementation = ATTN_NAME
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = old
+
+
+def cache_argument(model) -> str:
+    """Name of the forward's cache argument (``cache`` in newer transformers, ``past_key_values`` before)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"

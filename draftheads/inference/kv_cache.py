@@ -1,0 +1,127 @@
+"""Paged KV cache: fixed-size blocks, a free-list allocator and per-sequence block tables.
+
+Layout per layer: ``k[layer]``, ``v[layer]`` of shape ``[num_blocks, block_size, kv_heads, head_dim]``.
+A token at position p of a sequence lives in slot ``block_table[p // block_size] * block_size +
+p % block_size``.
+
+A sequence's committed length ``length`` counts the tokens whose K/V are final. A verification
+forward writes its query tokens (the tree: root first) to positions ``length .. length + q - 1``;
+:meth:`PagedKVCache.commit` then moves the accepted nodes' K/V to ``length + 1 ..`` (the root is
+already in place), advances ``length`` and frees blocks the sequence no longer needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from draftheads.errors import DraftheadsError
+
+
+class BlocksExhausted(DraftheadsError):
+    """The cache has no free block left for a sequence that needs one."""
+
+
+@dataclass
+class SeqBlocks:
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0  # committed tokens
+
+
+class PagedKVCache:
+    def __init__(
+        self, num_layers: int, num_blocks: int, kv_heads: int, head_dim: int,
+        block_size: int = 16, dtype=torch.float32, device="cpu",
+    ):
+        if num_blocks < 1 or block_size < 1:
+            raise DraftheadsError(f"kv cache needs num_blocks >= 1 and block_size >= 1 (got {num_blocks}, {block_size})")
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
+        self.seqs: dict[int, SeqBlocks] = {}
+        self.device = torch.device(device)
+
+    # ------------------------------------------------------------------ allocation
+
+    def add(self, seq_id: int) -> None:
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id} already in the cache")
+        self.seqs[seq_id] = SeqBlocks()
+
+    def length(self, seq_id: int) -> int:
+        return self.seqs[seq_id].length
+
+    def reserve(self, seq_id: int, num_tokens: int) -> None:
+        """Make room for ``num_tokens`` positions after the committed length."""
+        seq = self.seqs[seq_id]
+        need = -(-(seq.length + num_tokens) // self.block_size) - len(seq.blocks)
+        if need > len(self.free):
+            raise BlocksExhausted(
+                f"KV cache exhausted: sequence {seq_id} needs {need} more blocks of {self.block_size} tokens and "
+                f"{len(self.free)} are free: raise --kv-blocks, lower the batch size or --max-new-tokens"
+            )
+        seq.blocks.extend(self.free.pop() for _ in range(need))
+
+    def release(self, seq_id: int) -> None:
+        seq = self.seqs.pop(seq_id)
+        self.free.extend(reversed(seq.blocks))
+
+    def free_blocks(self) -> int:
+        return len(self.free)
+
+    # ------------------------------------------------------------------ addressing
+
+    def slots(self, seq_id: int, start: int, n: int) -> torch.Tensor:
+        """Flat slot indices of positions ``start .. start + n - 1`` (blocks must be reserved)."""
+        seq = self.seqs[seq_id]
+        pos = torch.arange(start, start + n)
+        if n and (start + n - 1) // self.block_size >= len(seq.blocks):
+            raise ValueError(f"positions up to {start + n - 1} of sequence {seq_id} are not reserved")
+        table = torch.tensor(seq.blocks, dtype=torch.long)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self.seqs[seq_id].blocks)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [n, kv_heads, head_dim] into ``slots`` [n]."""
+        self.k[layer].view(-1, *self.k[layer].shape[2:])[slots] = k.to(self.k[layer].dtype)
+        self.v[layer].view(-1, *self.v[layer].shape[2:])[slots] = v.to(self.v[layer].dtype)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V at ``slots`` -> two [n, kv_heads, head_dim] tensors."""
+        kf = self.k[layer].view(-1, *self.k[layer].shape[2:])
+        vf = self.v[layer].view(-1, *self.v[layer].shape[2:])
+        return kf[slots], vf[slots]
+
+    # ------------------------------------------------------------------ commit
+
+    def commit(self, seq_id: int, accepted: list[int]) -> None:
+        """Keep tree nodes ``accepted`` (tree indices, root = 0 first, in depth order).
+
+        Node ``accepted[d]`` was written at position ``length + accepted[d]``; it moves to
+        ``length + d``. Then ``length += len(accepted)`` and unneeded blocks are freed.
+        """
+        seq = self.seqs[seq_id]
+        if not accepted or accepted[0] != 0 or any(b <= a for a, b in zip(accepted, accepted[1:])):
+            raise ValueError(f"accepted nodes {accepted} must start at the root (0) and increase")
+        src = [a for d, a in enumerate(accepted) if a != d]
+        if src:
+            moves_from = self.slots(seq_id, seq.length, accepted[-1] + 1)[torch.tensor(accepted)]
+            moves_to = self.slots(seq_id, seq.length, len(accepted))
+            for layer in range(len(self.k)):
+                k, v = self.gather(layer, moves_from)
+                self.write(layer, moves_to, k, v)
+        self.truncate(seq_id, seq.length + len(accepted))
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Set the committed length and free blocks past it."""
+        seq = self.seqs[seq_id]
+        seq.length = length
+        keep = -(-length // self.block_size)
+        while len(seq.blocks) > keep:
+            self.free.append(seq.blocks.pop())

@@ -1,0 +1,52 @@
+"""Sampling parameters and the target's token distribution under them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftheads.errors import DraftheadsError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    """0 = greedy (token-identical to plain greedy decoding)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 = all)."""
+    max_new_tokens: int = 128
+    seed: int = 0
+    stop_at_eos: bool = True
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise DraftheadsError(f"temperature {self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise DraftheadsError(f"top_p {self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise DraftheadsError(f"top_k {self.top_k} must be >= 0 (0 = no limit)")
+        if self.max_new_tokens < 1:
+            raise DraftheadsError(f"max_new_tokens {self.max_new_tokens} must be >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., V] logits -> float32 probabilities after temperature, top-k and top-p."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sorted_p, -1) - sorted_p  # mass strictly before each token
+        sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
