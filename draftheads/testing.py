@@ -79,3 +79,30 @@ def save_tiny_llama(out: str | Path, seed: int = 0, chat_template: bool = True, 
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def random_heads(model, seed: int = 0, draft_vocab_size: int = 64) -> dict:
+    """Randomly initialised Medusa, EAGLE-1 and EAGLE-3 heads shaped for ``model``."""
+    from draftheads.heads import Eagle3Config, Eagle3Head, EagleConfig, EagleHead, LayerSpec, MedusaConfig, MedusaHeads
+    from draftheads.heads.vocab import DraftVocab
+
+    cfg = model.config.get_text_config()
+    spec = LayerSpec.from_hf_config(cfg)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    n = cfg.num_hidden_layers
+    torch.manual_seed(seed)
+    heads = {
+        "medusa": MedusaHeads(MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=vocab, num_heads=3, num_layers=1)),
+        "eagle": EagleHead(EagleConfig(layer=spec, vocab_size=vocab)),
+        "eagle3": Eagle3Head(Eagle3Config(layer=spec, vocab_size=vocab, draft_vocab_size=draft_vocab_size,
+                                          aux_layer_ids=(1, n // 2, n - 1), target_hidden_size=cfg.hidden_size)),
+    }
+    for head in heads.values():
+        for p in head.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+    ids = torch.sort(torch.randperm(vocab)[:draft_vocab_size]).values
+    dv = DraftVocab(ids, vocab, 1.0)
+    with torch.no_grad():
+        heads["eagle3"].d2t.copy_(dv.d2t)
+        heads["eagle3"].t2d.copy_(dv.t2d)
+    return {k: h.eval() for k, h in heads.items()}

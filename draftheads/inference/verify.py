@@ -46,36 +46,41 @@ def verify_greedy(tree: Tree, argmax: list[int]) -> VerifyResult:
 
 
 def _sample(p: torch.Tensor, gen: torch.Generator | None) -> int:
-    return int(torch.multinomial(p, 1, generator=gen).item())
+    return int(torch.multinomial(p, 1, generator=gen))
 
 
 def verify_sampled(tree: Tree, probs: torch.Tensor, gen: torch.Generator | None = None) -> VerifyResult:
     """``probs`` [N, V]: the target's distribution after each node (already temperature/top-p'd)."""
     kids = tree.children()
+    qs = tree.draft_probs
     cur, accepted, tokens = 0, [], []
     while True:
         children = kids[cur]
-        q_known = tree.draft_probs is not None and any(tree.draft_probs[c] is not None for c in children)
-        if not q_known:
+        nxt = None
+        if qs is None or all(qs[c] is None for c in children):
             x = _sample(probs[cur], gen)
-            nxt = next((c for c in children if tree.tokens[c] == x), None)
-        else:
-            p = probs[cur].clone()
-            nxt = None
             for c in children:
-                q = tree.draft_probs[c]
-                x = tree.tokens[c]
-                u = torch.rand((), generator=gen, dtype=torch.float64).item()
-                if q[x] > 0 and u < min(1.0, float(p[x]) / float(q[x])):
+                if tree.tokens[c] == x:
+                    nxt = c
+                    break
+        else:
+            p = probs[cur]
+            for c in children:
+                q, x = qs[c], tree.tokens[c]
+                px, qx = float(p[x]), float(q[x])
+                u = float(torch.rand((), generator=gen, dtype=torch.float64))
+                if qx > 0 and u * qx < px:  # u < min(1, px / qx)
                     nxt = c
                     break
                 resid = torch.clamp(p - q, min=0)
-                total = resid.sum()
-                p = resid / total if total > 0 else p
+                total = float(resid.sum())
+                if total > 0:
+                    p = resid / total
             if nxt is None:
                 x = _sample(p, gen)
-        tokens.append(x if nxt is None else tree.tokens[nxt])
         if nxt is None:
+            tokens.append(x)
             return VerifyResult(accepted, tokens)
+        tokens.append(tree.tokens[nxt])
         accepted.append(nxt)
         cur = nxt

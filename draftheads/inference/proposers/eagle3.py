@@ -1,0 +1,30 @@
+"""EAGLE-3 proposer: features from three target layers fused by ``fc``; the draft's pre-norm output
+is the next step's hidden input; logits over the draft vocabulary map back through ``d2t``."""
+
+from __future__ import annotations
+
+import torch
+
+from draftheads.inference.proposers.draft_tree import DraftTreeProposer, TreeSpec
+
+
+class Eagle3Proposer(DraftTreeProposer):
+    name = "eagle3"
+
+    def __init__(self, head, target, tree: TreeSpec | None = None):
+        super().__init__(head, target.get_input_embeddings(), tree)
+        self.layer_ids = tuple(head.config.aux_layer_ids)
+
+    def entry_features(self, hidden):
+        dtype = self.head.fc.weight.dtype
+        return self.head.fuse(torch.cat([hidden[i].to(dtype) for i in self.layer_ids], -1))
+
+    def step(self, feats, tokens, positions, mask, past_kv, extra_kv):
+        return self.head(self.embed(tokens).to(feats.dtype), feats, positions, mask=mask, past_kv=past_kv,
+                         extra_kv=extra_kv)
+
+    def log_probs(self, out):
+        return torch.log_softmax(self.head.lm_head(self.head.normed(out)).float(), -1)
+
+    def to_target_ids(self, ids):
+        return self.head.to_target_ids(ids)

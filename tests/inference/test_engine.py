@@ -1,0 +1,133 @@
+import pytest
+import torch
+from _proposers import OracleProposer, RandomTreeProposer
+
+from draftheads.errors import DraftheadsError
+from draftheads.inference.engine import Engine
+from draftheads.inference.proposers.draft_tree import TreeSpec
+from draftheads.inference.proposers.eagle import EagleProposer
+from draftheads.inference.proposers.eagle3 import Eagle3Proposer
+from draftheads.inference.proposers.medusa import MedusaProposer
+from draftheads.inference.proposers.ngram import NGramProposer
+from draftheads.inference.sampling import SamplingParams
+from draftheads.testing import random_heads
+
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 5, 6, 7],
+    [20, 21, 22],
+    [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 30, 31, 32],
+    [100, 101, 102, 103, 104, 100, 101],
+]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def model(tiny_target):
+    return tiny_target.model
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    out = []
+    for p in PROMPTS:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def _proposer(name, model):
+    vocab = model.config.vocab_size
+    heads = random_heads(model)
+    spec = TreeSpec(depth=4, top_k=3, total_tokens=12)
+    return {
+        "plain": lambda: None,
+        "ngram": lambda: NGramProposer(3),
+        "random": lambda: RandomTreeProposer(vocab),
+        "oracle": lambda: OracleProposer(model, 3, siblings=2, vocab=vocab),
+        "medusa": lambda: MedusaProposer(heads["medusa"], model),
+        "eagle": lambda: EagleProposer(heads["eagle"], model, spec),
+        "eagle3": lambda: Eagle3Proposer(heads["eagle3"], model, spec),
+    }[name]()
+
+
+PARAMS = SamplingParams(max_new_tokens=NEW, stop_at_eos=False)
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram", "random", "oracle", "medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_identity(model, reference, name, batch):
+    engine = Engine(model, proposer=_proposer(name, model))
+    prompts = PROMPTS[:batch] if batch > 1 else PROMPTS[2:3]
+    want = reference[:batch] if batch > 1 else reference[2:3]
+    outs = engine.generate(prompts, PARAMS)
+    for o, ref in zip(outs, want):
+        assert o.token_ids == ref, (name, o.rid)
+    if name == "oracle":
+        for o in outs:  # every drafted token of the oracle chain is accepted
+            assert o.metrics.tau == pytest.approx(4.0)
+            assert o.metrics.alpha == [1.0, 1.0, 1.0]
+
+
+def test_sampling_same_seed_same_output(model):
+    engine = Engine(model, proposer=_proposer("eagle3", model))
+    a = engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_new_tokens=16, stop_at_eos=False))
+    b = engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_new_tokens=16, stop_at_eos=False))
+    c = engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=0.9, seed=4, max_new_tokens=16, stop_at_eos=False))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+
+
+def test_eos_stops_and_bad_input(model, reference):
+    eos = reference[0][5]
+    engine = Engine(model, eos_token_ids=[eos])
+    (out,) = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=NEW))
+    assert out.token_ids == reference[0][: reference[0].index(eos) + 1] and out.finish_reason == "stop"
+    with pytest.raises(DraftheadsError, match="exceeds the target's context"):
+        engine.generate([[1] * 600], SamplingParams(max_new_tokens=8))
+    with pytest.raises(DraftheadsError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(DraftheadsError, match="top_p"):
+        SamplingParams(top_p=0)
+
+
+def test_kv_exhaustion_is_clear(model):
+    from draftheads.inference.engine import EngineConfig
+    from draftheads.inference.kv_cache import BlocksExhausted
+
+    engine = Engine(model, config=EngineConfig(kv_blocks=2, block_size=4))
+    with pytest.raises(BlocksExhausted, match="KV cache exhausted"):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=8))
+
+
+def test_paged_attention_equals_dense():
+    from draftheads.inference.attention import PagedStep, torch_paged_tree_attention
+    from draftheads.inference.kv_cache import PagedKVCache
+    from draftheads.inference.tree import ancestor_mask
+
+    torch.manual_seed(0)
+    cache = PagedKVCache(num_layers=1, num_blocks=12, kv_heads=2, head_dim=8, block_size=4)
+    rows = [(5, [-1, 0, 0, 1]), (0, [-1, 0, 1]), (9, [-1])]  # (prefix length, tree parents)
+    qs, starts, write, row_slots, masks = [], [0], [], [], []
+    dense = []
+    for rid, (prefix, parents) in enumerate(rows):
+        cache.add(rid)
+        k, v = torch.randn(prefix + len(parents), 2, 8), torch.randn(prefix + len(parents), 2, 8)
+        cache.reserve(rid, prefix)
+        cache.write(0, cache.slots(rid, 0, prefix), k[:prefix], v[:prefix])
+        cache.truncate(rid, prefix)  # committed prefix
+        cache.reserve(rid, len(parents))
+        slots = cache.slots(rid, 0, prefix + len(parents))
+        cache.write(0, slots[prefix:], k[prefix:], v[prefix:])  # the tree's own K/V
+        q = torch.randn(4, len(parents), 8)
+        qs.append(q)
+        starts.append(starts[-1] + len(parents))
+        write.append(slots[prefix:])
+        row_slots.append(slots)
+        masks.append(ancestor_mask(parents))
+        allowed = torch.cat([torch.ones(len(parents), prefix, dtype=torch.bool), ancestor_mask(parents)], 1)
+        att = torch.einsum("hqd,khd->hqk", q, k.repeat_interleave(2, 1)) / 8**0.5
+        att = att.masked_fill(~allowed, float("-inf")).softmax(-1)
+        dense.append(torch.einsum("hqk,khd->qhd", att, v.repeat_interleave(2, 1)))
+    step = PagedStep(cache, starts, [r[0] for r in rows], torch.cat(write), row_slots, masks)
+    out = torch_paged_tree_attention(torch.cat(qs, 1)[None], step, 0, 8**-0.5)
+    torch.testing.assert_close(out, torch.cat(dense), atol=1e-5, rtol=1e-5)

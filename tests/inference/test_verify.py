@@ -1,0 +1,134 @@
+"""The three kinds of verification tests: exact greedy cases, same seed -> same output, and a
+statistical test that sampled output follows the target distribution."""
+
+import itertools
+
+import pytest
+import torch
+
+from draftheads.inference.sampling import SamplingParams, target_probs
+from draftheads.inference.tree import Tree
+from draftheads.inference.verify import verify_greedy, verify_sampled
+
+#        0 (root)
+#      /   \
+#     1:a   2:b
+#    / \      \
+#   3:c 4:d    5:e
+TOKENS = [9, 1, 2, 3, 4, 5]
+PARENTS = [-1, 0, 0, 1, 1, 2]
+
+
+@pytest.mark.parametrize("argmax,accepted,tokens", [
+    ([1, 4, 7, 7, 6, 7], [1, 4], [1, 4, 6]),   # root->a (1), a->d (4), bonus from d
+    ([2, 0, 5, 7, 7, 8], [2, 5], [2, 5, 8]),   # second branch
+    ([7, 4, 5, 0, 0, 0], [], [7]),             # nothing matches: bonus only
+    ([1, 8, 0, 0, 0, 0], [1], [1, 8]),         # depth 1 then reject
+])
+def test_greedy_hand_made(argmax, accepted, tokens):
+    res = verify_greedy(Tree(TOKENS, PARENTS), argmax)
+    assert res.accepted == accepted and res.tokens == tokens and res.path == [0, *accepted]
+
+
+def test_temperature_top_k_top_p_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_k=3))
+    assert p[3] == 0 and torch.allclose(p[:3], torch.softmax(logits[:3], 0))
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    full = torch.softmax(logits, 0)
+    assert full[0] < 0.7 < full[0] + full[1]  # keeps exactly the first two
+    assert torch.allclose(p, torch.tensor([full[0], full[1], 0, 0]) / (full[0] + full[1]))
+
+
+# ------------------------------------------------------------------ statistical test
+
+
+class ToyLM:
+    """A Markov chain over a small vocabulary: p(next | last token), under the sampling params."""
+
+    def __init__(self, vocab, seed, sharpness, params):
+        g = torch.Generator().manual_seed(seed)
+        self.table = target_probs(torch.randn(vocab, vocab, generator=g) * sharpness, params)  # [V, V]
+        self.top = torch.argsort(self.table, dim=-1, descending=True).tolist()
+        self.pool: dict[int, list[int]] = {}
+
+    def sample(self, token, k, gen):
+        """k i.i.d. draws from p(. | token), served from a per-token pool drawn in bulk."""
+        pool = self.pool.setdefault(token, [])
+        if len(pool) < k:
+            pool.extend(torch.multinomial(self.table[token], 4096, replacement=True, generator=gen).tolist())
+        out = pool[-k:]
+        del pool[-k:]
+        return out
+
+    def probs(self, token):
+        return self.table[token]
+
+
+def _draft_tree(root, draft: ToyLM, depth, branching, sampled, gen):
+    tokens, parents, qs = [root], [-1], [None]
+    frontier = [0]
+    for _ in range(depth):
+        nxt = []
+        for node in frontier:
+            q = draft.probs(tokens[node])
+            if sampled:
+                kids = draft.sample(tokens[node], branching, gen)
+            else:
+                kids = draft.top[tokens[node]][:branching]
+            for t in kids:
+                tokens.append(t)
+                parents.append(node)
+                qs.append(q if sampled else None)
+                nxt.append(len(tokens) - 1)
+        frontier = nxt[:branching]  # keep the tree small: expand only the first `branching` nodes
+    return Tree(tokens, parents, qs)
+
+
+def _first_three(target, draft, depth, branching, sampled, gen, root=0):
+    out = []
+    while len(out) < 3:
+        tree = _draft_tree(root, draft, depth, branching, sampled, gen)
+        probs = target.table[tree.tokens]
+        res = verify_sampled(tree, probs, gen)
+        out += res.tokens
+        root = out[-1]
+    return tuple(out[:3])
+
+
+def _exact(target, vocab, root=0):
+    t = target.table.tolist()
+    return {(a, b, c): t[root][a] * t[a][b] * t[b][c] for a, b, c in itertools.product(range(vocab), repeat=3)}
+
+
+def _tv(counts, exact, n):
+    keys = set(counts) | set(exact)
+    return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
+
+
+@pytest.mark.parametrize("vocab,sampled,params", [
+    (20, False, SamplingParams(temperature=1.0, top_k=6)),      # deterministic top-k drafts, branching 3, top-k
+    (12, True, SamplingParams(temperature=0.8, top_p=0.9)),     # sampled drafts with known q, branching 2, top-p
+])
+def test_sampled_output_matches_target_distribution(vocab, sampled, params):
+    target, draft = ToyLM(vocab, 1, 2.5, params), ToyLM(vocab, 2, 2.5, params)
+    gen = torch.Generator().manual_seed(1234)
+    n = 100_000
+    counts: dict = {}
+    for _ in range(n):
+        key = _first_three(target, draft, depth=3, branching=2 if vocab < 20 else 3, sampled=sampled, gen=gen)
+        counts[key] = counts.get(key, 0) + 1
+    tv = _tv(counts, _exact(target, vocab), n)
+    assert tv < 0.01, tv
+
+
+def test_same_seed_same_output():
+    params = SamplingParams(temperature=1.0)
+    target, draft = ToyLM(10, 3, 1.0, params), ToyLM(10, 4, 1.0, params)
+    runs = []
+    for _ in range(2):
+        gen = torch.Generator().manual_seed(7)
+        runs.append([_first_three(target, draft, 3, 2, True, gen) for _ in range(50)])
+    assert runs[0] == runs[1]
+    gen = torch.Generator().manual_seed(8)
+    assert [_first_three(target, draft, 3, 2, True, gen) for _ in range(50)] != runs[0]
