@@ -28,26 +28,35 @@ def cmd_info(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    import torch
-
+    from draftheads.inference.build import make_proposer
+    from draftheads.inference.engine import Engine
+    from draftheads.inference.sampling import SamplingParams
     from draftheads.prompts import render_chat
     from draftheads.targets import load_target
 
-    if args.max_new_tokens < 1:
-        raise DraftheadsError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed)
     target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    proposer = make_proposer(target, args.head, args.proposer, args.tree)
     tok = target.tokenizer
     text = render_chat(tok, [{"role": "user", "content": args.prompt}], name=args.target)
-    ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
-    torch.manual_seed(args.seed)
-    t0 = time.perf_counter()
-    out = target.model.generate(
-        ids, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.eos_token_id
-    )
-    dt = time.perf_counter() - t0
-    new = out[0, ids.shape[1]:]
-    print(tok.decode(new, skip_special_tokens=True))
-    print(f"[{len(new)} tokens in {dt:.2f} s = {len(new) / dt:.1f} tok/s, HF generate, greedy]")
+    ids = tok(text, add_special_tokens=False).input_ids
+    engine = Engine(target.model, tok, proposer)
+    engine.generate([ids[:8]], SamplingParams(max_new_tokens=2))  # warm-up
+    (out,) = engine.generate([ids], params)
+    print(tok.decode(out.token_ids, skip_special_tokens=True))
+    m = out.metrics
+    name = proposer.name if proposer else "plain"
+    line = f"[{name}] {m.emitted_tokens} tokens in {m.wall_time_s:.2f} s = {m.tokens_per_s:.1f} tok/s"
+    if proposer:
+        line += f"; {m.line()}"
+    if args.compare_plain and proposer:
+        (plain,) = Engine(target.model, tok, None).generate([ids], params)
+        line += (f"; plain {plain.metrics.tokens_per_s:.1f} tok/s; speedup "
+                 f"{plain.metrics.wall_time_s / m.wall_time_s:.2f}x")
+        if params.greedy:
+            line += "; identical to plain" if plain.token_ids == out.token_ids else "; DIFFERS from plain"
+    print(line)
     return 0
 
 
@@ -101,6 +110,24 @@ def cmd_cache_features(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    from draftheads.inference.profile import save_profile, verify_curve
+    from draftheads.targets import load_target
+
+    target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    ks = [int(k) for k in args.ks.split(",")]
+    curve = verify_curve(target.model, ks, prefix=args.prefix, repeats=args.repeats, batch=args.batch)
+    path = save_profile(args.target, str(target.model.device), curve, args.prefix)
+    base = curve[min(curve)]
+    print(f"verify cost, {args.target}, prefix {args.prefix}, batch {args.batch} (median of {args.repeats})")
+    print("| K query tokens | ms | x K=1 |")
+    print("|---|---|---|")
+    for k, ms in curve.items():
+        print(f"| {k} | {ms:.1f} | {ms / base:.2f} |")
+    print(f"saved to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftheads", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -110,11 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_args(p)
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("generate", help="answer one prompt greedily and report tokens/s")
+    p = sub.add_parser("generate", help="answer one prompt with the engine and report tau, alpha and tokens/s")
     _add_target_args(p)
     p.add_argument("--prompt", required=True)
+    p.add_argument("--head", default=None, help="head directory (train-head or draftheads import output)")
+    p.add_argument("--proposer", default=None, help="head-less proposer: ngram")
+    p.add_argument("--tree", default=None, help="small | medium | large | chainK | static-tree JSON file (Medusa)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-plain", action="store_true", help="also run plain decoding and report the speedup")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("distill", help="regenerate answers with the target (self-distillation data)")
@@ -140,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_cache_features)
+
+    p = sub.add_parser("profile", help="measure target forward time for K = 1, 2, 4 ... 64 query tokens")
+    _add_target_args(p)
+    p.add_argument("--ks", default="1,2,4,8,16,32,64")
+    p.add_argument("--prefix", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batch", type=int, default=1)
+    p.set_defaults(func=cmd_profile)
     return parser
 
 

@@ -46,10 +46,14 @@ class PagedStep:
     def rows(self) -> int:
         return len(self.prefix_lens)
 
-    def additive_mask(self, row: int, dtype: torch.dtype) -> torch.Tensor:
-        """[q, prefix + q] additive mask of one row (built once per forward and dtype)."""
+    def additive_mask(self, row: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """[q, prefix + q] additive mask of one row (built once per forward and dtype); None when the
+        row's queries see everything (a single query token)."""
         key = (row, dtype)
         if key not in self._additive:
+            if self.tree_masks[row].all():
+                self._additive[key] = None
+                return None
             tree = self.tree_masks[row]
             q = tree.shape[0]
             m = torch.zeros(q, self.prefix_lens[row] + q, dtype=dtype, device=tree.device)
@@ -82,13 +86,14 @@ def torch_paged_tree_attention(query, step: PagedStep, layer: int, scaling: floa
         s, e = step.query_start[b], step.query_start[b + 1]
         if e == s:
             continue
-        k, v = step.cache.gather(layer, step.row_slots[b])  # [S, kv_heads, D]
-        q = query[0, :, s:e]  # [H, q, D]
+        kv = step.cache.gather_kv(layer, step.row_slots[b]).transpose(1, 2)  # [2, kv_heads, S, D]
+        if kv.dtype != query.dtype:
+            kv = kv.to(query.dtype)
+        q = query[:, :, s:e]  # [1, H, q, D]; 4D inputs keep SDPA on its fast CPU kernels
         o = F.scaled_dot_product_attention(
-            q, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
-            attn_mask=step.additive_mask(b, q.dtype), scale=scaling, enable_gqa=True,
+            q, kv[0:1], kv[1:2], attn_mask=step.additive_mask(b, q.dtype), scale=scaling, enable_gqa=True
         )
-        out[s:e] = o.transpose(0, 1)
+        out[s:e] = o[0].transpose(0, 1)
     return out
 
 

@@ -4,6 +4,7 @@ commit -> proposer update. Without a proposer the same loop is the plain-decode 
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -74,8 +75,9 @@ class Engine:
 
     # ------------------------------------------------------------------ forward
 
-    def _forward(self, cache: PagedKVCache, states, trees: list[Tree], layer_ids):
-        """One target forward over every row's tree; returns (logits [total_q, V], hidden {id: [total_q, H]})."""
+    def _forward(self, cache: PagedKVCache, states, trees: list[Tree], layer_ids, keep: list[int] | None = None):
+        """One target forward over every row's tree; returns (logits [total_q or len(keep), V],
+        hidden {id: [total_q, H]}). ``keep``: flattened query indices whose logits are needed."""
         ids, pos, write, row_slots, masks, starts = [], [], [], [], [], [0]
         for st, tree in zip(states, trees):
             start = cache.length(st.rid)
@@ -97,6 +99,7 @@ class Engine:
         with torch.no_grad(), paged_attention(self.model), capture_hidden_states(self.model, layer_ids) as found:
             out = self.model(
                 input_ids=input_ids, position_ids=position_ids, use_cache=True,
+                logits_to_keep=0 if keep is None else torch.tensor(keep, device=self.device),
                 **{self._cache_arg: StepCache(step)}, paged_step=step,
             )
         return out.logits[0], {i: h[0] for i, h in found.items()}
@@ -149,12 +152,13 @@ class Engine:
         t0 = time.perf_counter()
         # prefill: each prompt is a chain; all committed; the first token comes from the last position
         trees = [Tree(list(st.tokens), [-1] + list(range(len(st.tokens) - 1))) for st in states]
-        logits, hidden = self._forward(cache, states, trees, layer_ids)
+        ends = list(itertools.accumulate(len(t) for t in trees))
+        logits, hidden = self._forward(cache, states, trees, layer_ids, keep=[e - 1 for e in ends])
         off = 0
-        for st in states:
+        for row, st in enumerate(states):
             n = len(st.tokens)
             cache.truncate(st.rid, n)
-            first = self._first_token(st, logits[off + n - 1])
+            first = self._first_token(st, logits[row])
             self._emit(st, [first])
             if self.proposer:
                 self.proposer.start(st, {i: h[off: off + n] for i, h in hidden.items()})

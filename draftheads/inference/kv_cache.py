@@ -1,6 +1,7 @@
 """Paged KV cache: fixed-size blocks, a free-list allocator and per-sequence block tables.
 
-Layout per layer: ``k[layer]``, ``v[layer]`` of shape ``[num_blocks, block_size, kv_heads, head_dim]``.
+Layout per layer: ``kv[layer]`` of shape ``[2, num_blocks, block_size, kv_heads, head_dim]`` (keys, values);
+``k[layer]`` and ``v[layer]`` are its two halves.
 A token at position p of a sequence lives in slot ``block_table[p // block_size] * block_size +
 p % block_size``.
 
@@ -36,9 +37,11 @@ class PagedKVCache:
     ):
         if num_blocks < 1 or block_size < 1:
             raise DraftheadsError(f"kv cache needs num_blocks >= 1 and block_size >= 1 (got {num_blocks}, {block_size})")
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (2, num_blocks, block_size, kv_heads, head_dim)
+        self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [t[0] for t in self.kv]
+        self.v = [t[1] for t in self.kv]
+        self._flat = [t.view(2, num_blocks * block_size, kv_heads, head_dim) for t in self.kv]
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
@@ -89,14 +92,18 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [n, kv_heads, head_dim] into ``slots`` [n]."""
-        self.k[layer].view(-1, *self.k[layer].shape[2:])[slots] = k.to(self.k[layer].dtype)
-        self.v[layer].view(-1, *self.v[layer].shape[2:])[slots] = v.to(self.v[layer].dtype)
+        flat = self._flat[layer]
+        flat[0].index_copy_(0, slots, k.to(flat.dtype))
+        flat[1].index_copy_(0, slots, v.to(flat.dtype))
+
+    def gather_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """K and V at ``slots`` in one copy -> [2, n, kv_heads, head_dim]."""
+        return torch.index_select(self._flat[layer], 1, slots)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V at ``slots`` -> two [n, kv_heads, head_dim] tensors."""
-        kf = self.k[layer].view(-1, *self.k[layer].shape[2:])
-        vf = self.v[layer].view(-1, *self.v[layer].shape[2:])
-        return kf[slots], vf[slots]
+        kv = self.gather_kv(layer, slots)
+        return kv[0], kv[1]
 
     # ------------------------------------------------------------------ commit
 
@@ -113,9 +120,8 @@ class PagedKVCache:
         if src:
             moves_from = self.slots(seq_id, seq.length, accepted[-1] + 1)[torch.tensor(accepted)]
             moves_to = self.slots(seq_id, seq.length, len(accepted))
-            for layer in range(len(self.k)):
-                k, v = self.gather(layer, moves_from)
-                self.write(layer, moves_to, k, v)
+            for layer in range(len(self.kv)):
+                self._flat[layer].index_copy_(1, moves_to, self.gather_kv(layer, moves_from))
         self.truncate(seq_id, seq.length + len(accepted))
 
     def truncate(self, seq_id: int, length: int) -> None:
