@@ -128,6 +128,31 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from draftheads.export.vllm import export_head
+    from draftheads.heads import check_head_fits_target, load_head
+
+    head, _ = load_head(args.head)
+    target = None
+    if args.verifier:
+        from draftheads.targets import load_target
+
+        target = load_target(args.verifier, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+        check_head_fits_target(head, target.info)
+    path, command = export_head(head, args.format, args.out, args.verifier, args.num_speculative_tokens, target)
+    print(f"wrote {args.format} to {path} (validated: key set, shapes, dtypes, config fields)")
+    print(command)
+    return 0
+
+
+def cmd_import(args) -> int:
+    from draftheads.export.imports import import_checkpoint
+
+    head = import_checkpoint(args.source, args.src, args.out, args.target_layers)
+    print(f"imported {head.head_type} head to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftheads", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -182,6 +207,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batch", type=int, default=1)
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("export", help="export a head in a format vLLM loads unchanged",
+                       description="Formats: vllm-eagle3, speculators (eagle3), vllm-eagle (EAGLE-1, Llama targets), "
+                                   "vllm-medusa (vLLM <= 0.32 only: vLLM 0.33 removed Medusa; served as a top-1 chain).")
+    p.add_argument("--head", required=True)
+    p.add_argument("--format", required=True, choices=["vllm-eagle3", "speculators", "vllm-eagle", "vllm-medusa"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--verifier", default=None, help="target name or path (written into configs; supplies shared weights)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import", help="import a public Medusa / EAGLE / EAGLE-3 / speculators checkpoint")
+    p.add_argument("--from", dest="source", required=True, choices=["medusa", "eagle", "eagle3", "speculators"])
+    p.add_argument("src", help="checkpoint directory or weight file")
+    p.add_argument("--out", required=True)
+    p.add_argument("--target-layers", type=int, default=None, help="target layer count, when the checkpoint omits aux ids")
+    p.set_defaults(func=cmd_import)
     return parser
 
 

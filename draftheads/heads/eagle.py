@@ -26,6 +26,8 @@ class EagleConfig:
     """Target vocabulary size."""
     draft_vocab_size: int | None = None
     """Own lm_head over this many target tokens (``d2t``/``t2d``) instead of the target's lm_head."""
+    fc_bias: bool = False
+    """``fc`` with a bias (SafeAILab EAGLE-1 checkpoints have one; vLLM drops it, so train without)."""
 
     def __post_init__(self):
         if isinstance(self.layer, dict):
@@ -45,7 +47,7 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
         self.layers = nn.ModuleList([DraftDecoderLayer(config.layer, eagle3=False)])
         self.rotary = Rotary(config.layer)
         if config.draft_vocab_size:

@@ -1,0 +1,200 @@
+"""Import public draft-head checkpoints into head directories.
+
+Sources (``--from``):
+
+* ``medusa``: FasterDecoding Medusa (``medusa_lm_head.safetensors|.pt``; keys ``{h}.{l}.linear.weight/bias``
+  and ``{h}.{L}.weight`` for the projection; config ``medusa_num_heads``, ``medusa_num_layers``), or a
+  vLLM Medusa export (``blocks.{h}.layers.{l}.*``, ``lm_heads.{h}.weight``).
+* ``eagle``: SafeAILab EAGLE-1 (``fc.weight[/bias]``, ``layers.0.*``; Llama config).
+* ``eagle3``: SafeAILab EAGLE-3 (``midlayer.*`` or ``layers.0.*``, ``fc``, ``norm``, ``lm_head``, ``d2t``,
+  ``t2d``; Llama config with ``draft_vocab_size``).
+* ``speculators``: vllm-project/speculators eagle3 (``transformer_layer_config``).
+
+Weights load from safetensors, or from legacy ``.pt``/``.bin`` only through
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from draftheads.errors import DraftheadsError
+from draftheads.heads import (
+    Eagle3Config, Eagle3Head, EagleConfig, EagleHead, LayerSpec, MedusaConfig, MedusaHeads, save_head,
+)
+
+SOURCES = ("medusa", "eagle", "eagle3", "speculators")
+_WEIGHT_FILES = ("model.safetensors", "medusa_lm_head.safetensors", "pytorch_model.bin", "medusa_lm_head.pt",
+                 "model.pt", "pytorch_model.pt")
+
+
+def load_weights(src: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Weights of a checkpoint file or directory (safetensors, or weights-only legacy pickles)."""
+    src = Path(src)
+    files = [src] if src.is_file() else [src / f for f in _WEIGHT_FILES if (src / f).is_file()]
+    if not files:
+        shards = sorted(src.glob("*.safetensors")) if src.is_dir() else []
+        if not shards:
+            raise DraftheadsError(f"{src}: no weights found (looked for {', '.join(_WEIGHT_FILES)} and *.safetensors)")
+        out = {}
+        for s in shards:
+            out.update(load_file(str(s)))
+        return out
+    f = files[0]
+    if f.suffix == ".safetensors":
+        return load_file(str(f))
+    if f.suffix not in (".pt", ".bin", ".pth"):
+        raise DraftheadsError(f"{f}: unsupported weight file: use safetensors, or .pt/.bin tensors-only checkpoints")
+    try:
+        obj = torch.load(str(f), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, AttributeError, ValueError) as e:
+        raise DraftheadsError(
+            f"{f}: refused: this pickle needs more than tensors to load ({str(e).splitlines()[0][:120]}); "
+            "only weights-only checkpoints are loaded: convert it to safetensors where you trust it"
+        ) from None
+    if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise DraftheadsError(f"{f}: not a dictionary of tensors")
+    return obj
+
+
+def _config(src: Path) -> dict:
+    f = src / "config.json" if src.is_dir() else src.parent / "config.json"
+    if not f.is_file():
+        raise DraftheadsError(f"{src}: config.json not found next to the weights")
+    return json.loads(f.read_text())
+
+
+def _layer_spec(cfg: dict) -> LayerSpec:
+    from transformers import LlamaConfig
+
+    allowed = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "auto_map")}
+    return LayerSpec.from_hf_config(LlamaConfig(**allowed))
+
+
+def _load_strict(head, weights: dict[str, torch.Tensor], src) -> None:
+    missing, unexpected = head.load_state_dict(weights, strict=False)
+    missing = [m for m in missing if "rotary" not in m]
+    if missing or unexpected:
+        raise DraftheadsError(f"{src}: weights do not match (missing {missing[:5]}, unexpected {unexpected[:5]})")
+
+
+def import_medusa(src: Path) -> MedusaHeads:
+    w = load_weights(src)
+    if any(k.startswith("blocks.") for k in w):  # vLLM layout
+        w = {re.sub(r"^blocks\.(\d+)\.layers\.(\d+)\.", r"\1.\2.linear.", k): v for k, v in w.items()}
+        w = {re.sub(r"^lm_heads\.(\d+)\.weight$", r"\1.LM.weight", k): v for k, v in w.items()}
+    heads = sorted({int(k.split(".")[0]) for k in w if k.split(".")[0].isdigit()})
+    if not heads:
+        raise DraftheadsError(f"{src}: no Medusa keys like '0.0.linear.weight' found")
+    layers = sorted({int(k.split(".")[1]) for k in w if k.endswith(".linear.weight") and k.startswith("0.")})
+    n_layers = len(layers)
+    proj_key = "0.LM.weight" if "0.LM.weight" in w else f"0.{n_layers}.weight"
+    if proj_key not in w:
+        raise DraftheadsError(f"{src}: Medusa head 0 has no projection '{proj_key}'")
+    vocab, hidden = w[proj_key].shape
+    token_map = w.get("token_map")
+    cfg = {}
+    try:
+        cfg = _config(src)
+    except DraftheadsError:
+        pass
+    n_heads = cfg.get("medusa_num_heads", cfg.get("num_heads", len(heads)))
+    if n_heads != len(heads):
+        raise DraftheadsError(f"{src}: config says {n_heads} heads but the weights hold {len(heads)}")
+    full_vocab = cfg.get("vocab_size", vocab) if token_map is not None else vocab
+    head = MedusaHeads(MedusaConfig(hidden_size=hidden, vocab_size=full_vocab, num_heads=len(heads),
+                                    num_layers=n_layers, draft_vocab_size=vocab if token_map is not None else None))
+    state = {}
+    for h in heads:
+        for i in range(n_layers):
+            state[f"blocks.{h}.layers.{i}.linear.weight"] = w[f"{h}.{i}.linear.weight"]
+            state[f"blocks.{h}.layers.{i}.linear.bias"] = w[f"{h}.{i}.linear.bias"]
+        state[f"lm_heads.{h}.weight"] = w[f"{h}.LM.weight" if f"{h}.LM.weight" in w else f"{h}.{n_layers}.weight"]
+    if token_map is not None:
+        state["token_map"] = token_map.to(torch.int64)
+    _load_strict(head, state, src)
+    return head
+
+
+def import_eagle(src: Path) -> EagleHead:
+    w = load_weights(src)
+    cfg = _config(src)
+    if "fc.weight" not in w:
+        raise DraftheadsError(f"{src}: no fc.weight: not an EAGLE-1 checkpoint")
+    has_bias = "fc.bias" in w
+    head = EagleHead(EagleConfig(layer=_layer_spec(cfg), vocab_size=cfg["vocab_size"], fc_bias=has_bias))
+    state = {k: v for k, v in w.items() if k.startswith(("fc.", "layers.0."))}
+    state = {k: v for k, v in state.items() if "input_layernorm" not in k and "rotary" not in k}
+    _load_strict(head, state, src)
+    return head
+
+
+def _eagle3_from(w: dict, layer: LayerSpec, vocab: int, draft_vocab: int, aux, target_hidden, norm_before_residual,
+                 src) -> Eagle3Head:
+    w = {re.sub(r"^midlayer\.", "layers.0.", k): v for k, v in w.items()}
+    w = {k: v for k, v in w.items() if not k.startswith("embed_tokens.") and "rotary" not in k}
+    head = Eagle3Head(Eagle3Config(layer=layer, vocab_size=vocab, draft_vocab_size=draft_vocab, aux_layer_ids=aux,
+                                   target_hidden_size=target_hidden, norm_before_residual=norm_before_residual))
+    d2t = w.get("d2t")
+    if d2t is not None and int((torch.arange(d2t.numel()) + d2t).max()) >= vocab:
+        raise DraftheadsError(f"{src}: d2t does not hold offsets into a vocabulary of {vocab}")
+    w["t2d"] = w["t2d"].to(torch.bool) if "t2d" in w else torch.zeros(vocab, dtype=torch.bool).index_fill_(
+        0, torch.arange(draft_vocab) + d2t, True)
+    w["d2t"] = d2t.to(torch.int64)
+    _load_strict(head, w, src)
+    return head
+
+
+def _aux_ids(cfg: dict, num_layers: int | None):
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if ids:
+        return tuple(ids)
+    if num_layers is None:
+        raise DraftheadsError(
+            "the checkpoint does not name its target layers (eagle_aux_hidden_state_layer_ids): "
+            "pass --target-layers N so the default (2, N//2, N-3) can be used"
+        )
+    from draftheads.heads import default_aux_layer_ids
+
+    return default_aux_layer_ids(num_layers)
+
+
+def import_eagle3(src: Path, target_layers: int | None = None) -> Eagle3Head:
+    w, cfg = load_weights(src), _config(src)
+    return _eagle3_from(w, _layer_spec(cfg), cfg["vocab_size"], cfg["draft_vocab_size"], _aux_ids(cfg, target_layers),
+                        cfg.get("target_hidden_size") or cfg["hidden_size"], cfg.get("norm_before_residual", False), src)
+
+
+def import_speculators(src: Path, target_layers: int | None = None) -> Eagle3Head:
+    w, cfg = load_weights(src), _config(src)
+    if cfg.get("speculators_model_type") != "eagle3":
+        raise DraftheadsError(f"{src}: speculators_model_type {cfg.get('speculators_model_type')!r}: only eagle3 is supported")
+    layer = cfg["transformer_layer_config"]
+    return _eagle3_from(w, _layer_spec(layer), layer["vocab_size"], cfg["draft_vocab_size"],
+                        _aux_ids(cfg, target_layers), cfg.get("target_hidden_size") or layer["hidden_size"],
+                        cfg.get("norm_before_residual", False), src)
+
+
+def import_checkpoint(source: str, src: str | os.PathLike, out: str | os.PathLike, target_layers: int | None = None):
+    if source not in SOURCES:
+        raise DraftheadsError(f"--from {source!r} is unknown: use one of {', '.join(SOURCES)}")
+    src = Path(src)
+    if not src.exists():
+        raise DraftheadsError(f"{src} does not exist: point at the checkpoint directory or weight file")
+    head = {
+        "medusa": lambda: import_medusa(src),
+        "eagle": lambda: import_eagle(src),
+        "eagle3": lambda: import_eagle3(src, target_layers),
+        "speculators": lambda: import_speculators(src, target_layers),
+    }[source]()
+    save_head(head, out, {"imported_from": {"source": source, "path": str(src)}})
+    return head

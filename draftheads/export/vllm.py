@@ -1,0 +1,272 @@
+"""Export heads in the layouts vLLM loads unchanged, and validate what was written.
+
+Formats:
+
+* ``vllm-eagle3``: Llama-style config (``LlamaForCausalLMEagle3``) + ``fc``, ``layers.0.*``,
+  ``norm``, ``lm_head`` [draft_vocab, H], ``d2t`` (int64 offsets), ``t2d`` (bool).
+* ``vllm-eagle``: EAGLE-1 for Llama-family targets: ``fc.weight`` (no bias), ``layers.0.*`` without
+  ``input_layernorm``, no final norm; embeddings and lm_head are shared with the target.
+* ``vllm-medusa``: ``model_type: medusa``; ``blocks.{h}.layers.{l}.weight/bias``, ``lm_heads.{h}.weight``,
+  optional ``token_map``. vLLM <= 0.32 only (0.33 removed Medusa); vLLM runs it as a top-1 chain.
+* ``speculators`` (eagle3): the vllm-project/speculators config + the eagle3 weights + ``embed_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftheads.errors import DraftheadsError
+from draftheads.utils import atomic_dir
+
+FORMATS = ("vllm-eagle3", "vllm-eagle", "vllm-medusa", "speculators")
+METHODS = {"vllm-eagle3": "eagle3", "speculators": "eagle3", "vllm-eagle": "eagle", "vllm-medusa": "medusa"}
+HEAD_OF_FORMAT = {"vllm-eagle3": "eagle3", "speculators": "eagle3", "vllm-eagle": "eagle", "vllm-medusa": "medusa"}
+
+_LAYER_KEYS = [
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "post_attention_layernorm.weight",
+]
+
+
+def _layer_state(head) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in head.state_dict().items() if k.startswith("layers.0.")}
+
+
+def eagle3_tensors(head) -> dict[str, torch.Tensor]:
+    t = {"fc.weight": head.fc.weight, "norm.weight": head.norm.weight, "lm_head.weight": head.lm_head.weight,
+         "d2t": head.d2t.to(torch.int64), "t2d": head.t2d.to(torch.bool)}
+    t.update(_layer_state(head))
+    return t
+
+
+def eagle3_config(head, extra: dict | None = None) -> dict:
+    c = head.config
+    cfg = c.layer.llama_config(vocab_size=c.vocab_size, tie_word_embeddings=False).to_dict()
+    cfg.update({
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "norm_before_residual": bool(c.norm_before_residual),
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": True,
+    })
+    cfg.update(extra or {})
+    return cfg
+
+
+def eagle_tensors(head) -> dict[str, torch.Tensor]:
+    if head.config.draft_vocab_size:
+        raise DraftheadsError(
+            "vllm-eagle shares the target's lm_head: this EAGLE-1 head has its own draft-vocabulary lm_head; "
+            "retrain it without model.draft_vocab_size to serve it in vLLM"
+        )
+    t = {"fc.weight": head.fc.weight}
+    t.update(_layer_state(head))
+    return t
+
+
+def eagle_config(head) -> dict:
+    c = head.config
+    cfg = c.layer.llama_config(vocab_size=c.vocab_size, tie_word_embeddings=False).to_dict()
+    cfg["architectures"] = ["LlamaForCausalLM"]  # vLLM wraps it as EagleLlamaForCausalLM
+    return cfg
+
+
+def medusa_tensors(head, target_lm_head: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    c = head.config
+    t = {}
+    for h, blocks in enumerate(head.blocks):
+        for i, layer in enumerate(blocks.layers):
+            t[f"blocks.{h}.layers.{i}.weight"] = layer.linear.weight
+            t[f"blocks.{h}.layers.{i}.bias"] = layer.linear.bias
+        if c.share_lm_head:
+            if target_lm_head is None:
+                raise DraftheadsError(
+                    "this Medusa head shares the target's lm_head, which vLLM needs per head: "
+                    "pass --verifier TARGET so the exporter can copy it"
+                )
+            t[f"lm_heads.{h}.weight"] = head.restrict(target_lm_head)
+        else:
+            t[f"lm_heads.{h}.weight"] = head.lm_heads[h].weight
+    if c.draft_vocab_size:
+        t["token_map"] = head.token_map.to(torch.int64)
+    return t
+
+
+def medusa_config(head) -> dict:
+    c = head.config
+    cfg = {
+        "model_type": "medusa", "architectures": ["MedusaModel"], "num_heads": c.num_heads,
+        "num_hidden_layers": c.num_layers, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
+        "medusa_fc_bias": True,
+    }
+    if c.draft_vocab_size:
+        cfg["truncated_vocab_size"] = c.draft_vocab_size
+    return cfg
+
+
+def speculators_config(head, verifier: str, verifier_arch: list[str], k: int) -> dict:
+    c = head.config
+    layer_cfg = c.layer.llama_config(vocab_size=c.vocab_size, tie_word_embeddings=False).to_diff_dict()
+    layer_cfg["architectures"] = ["LlamaForCausalLM"]
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.1.0",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": verifier_arch},
+        },
+        "transformer_layer_config": layer_cfg,
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "norm_before_residual": bool(c.norm_before_residual),
+    }
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def expected_shapes(fmt: str, cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Exact key set with shapes and dtypes a format must contain, derived from its config."""
+    if fmt == "vllm-medusa":
+        h, v = cfg["hidden_size"], cfg.get("truncated_vocab_size") or cfg["vocab_size"]
+        out = {}
+        for i in range(cfg["num_heads"]):
+            for j in range(cfg["num_hidden_layers"]):
+                out[f"blocks.{i}.layers.{j}.weight"] = ((h, h), None)
+                out[f"blocks.{i}.layers.{j}.bias"] = ((h,), None)
+            out[f"lm_heads.{i}.weight"] = ((v, h), None)
+        if cfg.get("truncated_vocab_size"):
+            out["token_map"] = ((v,), torch.int64)
+        return out
+    layer = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
+    h, inter = layer["hidden_size"], layer["intermediate_size"]
+    heads, kvh = layer["num_attention_heads"], layer["num_key_value_heads"]
+    d = layer.get("head_dim") or h // heads
+    eagle3 = fmt in ("vllm-eagle3", "speculators")
+    attn_in = 2 * h if eagle3 else h
+    out = {
+        "layers.0.self_attn.q_proj.weight": ((heads * d, attn_in), None),
+        "layers.0.self_attn.k_proj.weight": ((kvh * d, attn_in), None),
+        "layers.0.self_attn.v_proj.weight": ((kvh * d, attn_in), None),
+        "layers.0.self_attn.o_proj.weight": ((h, heads * d), None),
+        "layers.0.mlp.gate_proj.weight": ((inter, h), None),
+        "layers.0.mlp.up_proj.weight": ((inter, h), None),
+        "layers.0.mlp.down_proj.weight": ((h, inter), None),
+        "layers.0.post_attention_layernorm.weight": ((h,), None),
+    }
+    if not eagle3:
+        out["fc.weight"] = ((h, 2 * h), None)
+        return out
+    vd, ht, vocab = cfg["draft_vocab_size"], cfg["target_hidden_size"], layer["vocab_size"]
+    out.update({
+        "fc.weight": ((h, 3 * ht), None),
+        "layers.0.input_layernorm.weight": ((h,), None),
+        "layers.0.hidden_norm.weight": ((h,), None),
+        "norm.weight": ((h,), None),
+        "lm_head.weight": ((vd, h), None),
+        "d2t": ((vd,), torch.int64),
+        "t2d": ((vocab,), torch.bool),
+    })
+    if fmt == "speculators":
+        out["embed_tokens.weight"] = ((vocab, h), None)
+    return out
+
+
+REQUIRED_CONFIG = {
+    "vllm-eagle3": ["architectures", "draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
+                    "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "hidden_act", "vocab_size"],
+    "vllm-eagle": ["architectures", "hidden_size", "intermediate_size", "num_attention_heads", "hidden_act"],
+    "vllm-medusa": ["model_type", "num_heads", "num_hidden_layers", "hidden_size", "vocab_size"],
+    "speculators": ["speculators_model_type", "speculators_config", "transformer_layer_config", "draft_vocab_size",
+                    "target_hidden_size"],
+}
+
+
+def validate_export(path: str | os.PathLike, fmt: str) -> None:
+    """Exact key set, shapes, dtypes and config fields; raises DraftheadsError naming the problem."""
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    missing_cfg = [k for k in REQUIRED_CONFIG[fmt] if k not in cfg]
+    if missing_cfg:
+        raise DraftheadsError(f"{path}/config.json lacks {missing_cfg} required by {fmt}")
+    if fmt == "speculators" and "hidden_act" not in cfg["transformer_layer_config"]:
+        raise DraftheadsError(f"{path}/config.json: transformer_layer_config lacks hidden_act (vLLM fails without it)")
+    weights = load_file(str(path / "model.safetensors"))
+    want = expected_shapes(fmt, cfg)
+    missing, extra = sorted(set(want) - set(weights)), sorted(set(weights) - set(want))
+    if missing or extra:
+        raise DraftheadsError(f"{path}: {fmt} weights missing {missing[:6]} and unexpected {extra[:6]}")
+    for k, (shape, dtype) in want.items():
+        t = weights[k]
+        if tuple(t.shape) != shape:
+            raise DraftheadsError(f"{path}: {k} has shape {tuple(t.shape)}, {fmt} needs {shape}")
+        if dtype is not None and t.dtype != dtype:
+            raise DraftheadsError(f"{path}: {k} has dtype {t.dtype}, {fmt} needs {dtype}")
+        if dtype is None and not t.is_floating_point():
+            raise DraftheadsError(f"{path}: {k} must be floating point, got {t.dtype}")
+    if "d2t" in weights:
+        ids = torch.arange(weights["d2t"].numel()) + weights["d2t"]
+        if ids.min() < 0 or ids.max() >= want["t2d"][0][0]:
+            raise DraftheadsError(f"{path}: d2t must hold offsets (target = i + d2t[i]) within the target vocabulary")
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def write_export(out: str | os.PathLike, fmt: str, config: dict, tensors: dict[str, torch.Tensor],
+                 dtype: torch.dtype | None = None) -> Path:
+    def cast(t):
+        t = t.detach().contiguous().cpu()
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    with atomic_dir(out) as tmp:
+        save_file({k: cast(v) for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        validate_export(tmp, fmt)
+    return Path(out)
+
+
+def vllm_command(target: str, export_dir: str | os.PathLike, fmt: str, k: int) -> str:
+    spec = json.dumps({"method": METHODS[fmt], "model": str(export_dir), "num_speculative_tokens": k})
+    return f"vllm serve {target} --speculative-config '{spec}'"
+
+
+def export_head(head, fmt: str, out: str | os.PathLike, verifier: str | None = None, k: int = 3,
+                target=None) -> tuple[Path, str]:
+    """Write ``head`` in ``fmt``; ``target`` (a loaded Target) supplies shared weights when needed."""
+    if fmt not in FORMATS:
+        raise DraftheadsError(f"--format {fmt!r} is unknown: use one of {', '.join(FORMATS)}")
+    if HEAD_OF_FORMAT[fmt] != head.head_type:
+        raise DraftheadsError(f"--format {fmt} exports {HEAD_OF_FORMAT[fmt]} heads, but this head is {head.head_type}")
+    if k < 1:
+        raise DraftheadsError(f"--num-speculative-tokens {k} must be >= 1")
+    if fmt == "vllm-eagle3":
+        config, tensors = eagle3_config(head), eagle3_tensors(head)
+    elif fmt == "vllm-eagle":
+        config, tensors = eagle_config(head), eagle_tensors(head)
+        if head.config.fc_bias:
+            raise DraftheadsError("vLLM drops EAGLE-1's fc.bias silently; this head has one: retrain with fc_bias off")
+    elif fmt == "vllm-medusa":
+        lm = target.model.get_output_embeddings().weight if target is not None else None
+        config, tensors = medusa_config(head), medusa_tensors(head, lm)
+    else:
+        if target is None or verifier is None:
+            raise DraftheadsError("the speculators format embeds the verifier's embeddings: pass --verifier TARGET")
+        arch = list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
+        config = speculators_config(head, verifier, arch, k)
+        tensors = eagle3_tensors(head)
+        tensors["embed_tokens.weight"] = target.model.get_input_embeddings().weight
+    path = write_export(out, fmt, config, tensors)
+    return path, vllm_command(verifier or "TARGET", path, fmt, k)

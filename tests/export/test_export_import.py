@@ -1,0 +1,168 @@
+import json
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftheads.errors import DraftheadsError
+from draftheads.export.imports import import_checkpoint, load_weights
+from draftheads.export.vllm import export_head, validate_export
+from draftheads.heads import load_head
+from draftheads.testing import random_heads
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_target):
+    hs = random_heads(tiny_target.model, seed=3)
+    from draftheads.heads import MedusaConfig, MedusaHeads
+
+    hs["medusa_vocab"] = MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=tiny_target.info.vocab_size, num_heads=2,
+                                                  num_layers=2, draft_vocab_size=50))
+    for p in hs["medusa_vocab"].parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    hs["medusa_vocab"].token_map.copy_(torch.arange(50) * 3)
+    return hs
+
+
+def _logits(head, model, seed=0):
+    """Logits of one draft step on fixed random inputs (what vLLM would compute)."""
+    g = torch.Generator().manual_seed(seed)
+    h = model.config.hidden_size
+    w = model.get_output_embeddings().weight
+    if head.head_type == "medusa":
+        return head.logits(torch.randn(1, 3, h, generator=g), w)
+    emb, feat = torch.randn(1, 3, h, generator=g), torch.randn(1, 3, h, generator=g)
+    pos = torch.arange(3)[None]
+    with torch.no_grad():
+        if head.head_type == "eagle":
+            out, _ = head(emb, feat, pos)
+            return out @ head.projection(w).T
+        out, _ = head(emb, head.fuse(torch.randn(1, 3, 3 * h, generator=g)), pos)
+        return head.lm_head(head.normed(out))
+
+
+@pytest.mark.parametrize("name,fmt,source", [
+    ("eagle3", "vllm-eagle3", "eagle3"),
+    ("eagle3", "speculators", "speculators"),
+    ("eagle", "vllm-eagle", "eagle"),
+    ("medusa", "vllm-medusa", "medusa"),
+    ("medusa_vocab", "vllm-medusa", "medusa"),
+])
+def test_export_import_round_trip_identical_logits(heads, tiny_target, tiny_llama_dir, tmp_path, name, fmt, source):
+    head = heads[name]
+    out, cmd = export_head(head, fmt, tmp_path / "export", verifier=str(tiny_llama_dir), k=3, target=tiny_target)
+    assert '"num_speculative_tokens": 3' in cmd and '"method"' in cmd
+    import_checkpoint(source, out, tmp_path / "back", target_layers=tiny_target.info.num_layers)
+    back, meta = load_head(tmp_path / "back")
+    assert meta["imported_from"]["source"] == source
+    torch.testing.assert_close(_logits(back, tiny_target.model), _logits(head, tiny_target.model), rtol=0, atol=0)
+
+
+def test_eagle3_export_fields(heads, tmp_path):
+    out, _ = export_head(heads["eagle3"], "vllm-eagle3", tmp_path / "e3", verifier="t")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 64
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        assert isinstance(cfg[flag], bool)
+    w = load_file(str(out / "model.safetensors"))
+    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
+    ids = torch.arange(64) + w["d2t"]
+    assert torch.equal(w["t2d"].nonzero().flatten(), ids)  # offsets, not absolute ids
+    assert w["layers.0.self_attn.q_proj.weight"].shape[1] == 128  # 2H inputs
+
+
+@pytest.mark.parametrize("change", ["missing", "extra"])
+def test_validation_rejects_missing_or_extra_weight(heads, tmp_path, change):
+    out, _ = export_head(heads["eagle3"], "vllm-eagle3", tmp_path / "e3", verifier="t")
+    w = load_file(str(out / "model.safetensors"))
+    if change == "missing":
+        del w["layers.0.hidden_norm.weight"]
+    else:
+        w["fc.bias"] = torch.zeros(64)
+    save_file(w, str(out / "model.safetensors"))
+    with pytest.raises(DraftheadsError, match="missing \\['layers.0.hidden_norm.weight'\\]" if change == "missing"
+                       else "unexpected \\['fc.bias'\\]"):
+        validate_export(out, "vllm-eagle3")
+
+
+def _public_medusa(tmp_path, heads, ext):
+    """FasterDecoding layout, built from the documented key names."""
+    h = heads["medusa"]
+    w = {}
+    for i, blocks in enumerate(h.blocks):
+        for j, layer in enumerate(blocks.layers):
+            w[f"{i}.{j}.linear.weight"] = layer.linear.weight.detach().clone()
+            w[f"{i}.{j}.linear.bias"] = layer.linear.bias.detach().clone()
+        w[f"{i}.{len(blocks.layers)}.weight"] = h.lm_heads[i].weight.detach().clone()
+    d = tmp_path / "fd-medusa"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1, "base_model_name_or_path": "x"}))
+    if ext == "pt":
+        torch.save(w, d / "medusa_lm_head.pt")
+    else:
+        save_file(w, str(d / "medusa_lm_head.safetensors"))
+    return d
+
+
+@pytest.mark.parametrize("ext", ["pt", "safetensors"])
+def test_public_medusa_layout_imports(heads, tiny_target, tmp_path, ext):
+    d = _public_medusa(tmp_path, heads, ext)
+    head = import_checkpoint("medusa", d, tmp_path / "out")
+    torch.testing.assert_close(_logits(head, tiny_target.model), _logits(heads["medusa"], tiny_target.model))
+
+
+def test_public_eagle1_layout_with_bias_imports(heads, tiny_target, tiny_llama_dir, tmp_path):
+    src = heads["eagle"]
+    w = {k: v.clone() for k, v in src.state_dict().items() if not k.startswith("rotary")}
+    w["fc.bias"] = torch.zeros(64)
+    w["embed_tokens.weight"] = torch.zeros(10, 64)  # public checkpoints sometimes carry it
+    d = tmp_path / "eagle1"
+    d.mkdir()
+    torch.save(w, d / "pytorch_model.bin")
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg))
+    head = import_checkpoint("eagle", d, tmp_path / "out")
+    assert head.config.fc_bias
+    torch.testing.assert_close(_logits(head, tiny_target.model), _logits(src, tiny_target.model))
+    with pytest.raises(DraftheadsError, match="fc.bias"):
+        export_head(head, "vllm-eagle", tmp_path / "x")
+
+
+def test_public_eagle3_midlayer_layout_imports(heads, tiny_target, tiny_llama_dir, tmp_path):
+    src = heads["eagle3"]
+    w = {k.replace("layers.0.", "midlayer."): v.clone() for k, v in src.state_dict().items() if not k.startswith("rotary")}
+    d = tmp_path / "eagle3"
+    d.mkdir()
+    save_file(w, str(d / "model.safetensors"))
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    cfg.update({"draft_vocab_size": 64, "eagle_aux_hidden_state_layer_ids": list(src.config.aux_layer_ids)})
+    (d / "config.json").write_text(json.dumps(cfg))
+    head = import_checkpoint("eagle3", d, tmp_path / "out")
+    torch.testing.assert_close(_logits(head, tiny_target.model), _logits(src, tiny_target.model))
+
+
+class _Evil:
+    def __reduce__(self):
+        return (print, ("this would run code",))
+
+
+def test_legacy_pickle_needing_code_is_refused(tmp_path):
+    f = tmp_path / "medusa_lm_head.pt"
+    with open(f, "wb") as fh:
+        pickle.dump({"0.0.linear.weight": _Evil()}, fh)
+    with pytest.raises(DraftheadsError, match="refused"):
+        load_weights(f)
+
+
+def test_imported_head_runs_in_engine(heads, tiny_target, tmp_path):
+    from draftheads.inference.build import make_proposer
+    from draftheads.inference.engine import Engine
+    from draftheads.inference.sampling import SamplingParams
+
+    out, _ = export_head(heads["eagle3"], "vllm-eagle3", tmp_path / "e3", verifier="t")
+    import_checkpoint("eagle3", out, tmp_path / "head")
+    proposer = make_proposer(tiny_target, str(tmp_path / "head"), tree="small")
+    spec = Engine(tiny_target.model, proposer=proposer).generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, stop_at_eos=False))
+    plain = Engine(tiny_target.model).generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, stop_at_eos=False))
+    assert spec[0].token_ids == plain[0].token_ids and spec[0].metrics.drafts > 0
