@@ -153,6 +153,42 @@ def cmd_import(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from draftheads import evaluation
+    from draftheads.inference.build import make_proposer
+    from draftheads.inference.sampling import SamplingParams
+    from draftheads.prompts import load_prompts
+    from draftheads.targets import load_target
+
+    if not args.head and not args.proposer:
+        raise DraftheadsError("draftheads eval needs --head DIR or --proposer ngram")
+    if args.batch_size < 1:
+        raise DraftheadsError(f"--batch-size {args.batch_size} must be >= 1")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                            seed=args.seed)
+    prompts = [p for f in args.prompts for p in load_prompts(f, limit_per_domain=args.limit_per_domain)]
+    target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    torch_threads(args)
+    proposer = make_proposer(target, args.head, args.proposer, args.tree)
+    results = evaluation.evaluate(target, proposer, prompts, params, args.batch_size)
+    meta = {"command": "draftheads " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
+            "target": args.target, "head": args.head, "proposer": proposer.name, "tree": args.tree,
+            "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+            "seed": args.seed, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": evaluation.machine()}
+    res = evaluation.report(results, meta)
+    files = evaluation.write_results(res, args.out)
+    print(evaluation.markdown(res))
+    print("wrote " + ", ".join(str(f) for f in files))
+    return 0
+
+
+def torch_threads(args) -> None:
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftheads", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -226,11 +262,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--target-layers", type=int, default=None, help="target layer count, when the checkpoint omits aux ids")
     p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("eval", help="acceptance (tau, alpha) and speedup per domain, plain vs speculative")
+    _add_target_args(p)
+    p.add_argument("--head", default=None)
+    p.add_argument("--proposer", default=None, help="head-less proposer: ngram")
+    p.add_argument("--prompts", nargs="+", default=["bundled:eval"],
+                   help="prompt files (project jsonl, Spec-Bench/MT-bench, GSM8K, HumanEval) or bundled:eval")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--limit-per-domain", type=int, default=None)
+    p.add_argument("--tree", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_eval, argv=None)
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "argv"):
+        args.argv = argv
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return args.func(args)

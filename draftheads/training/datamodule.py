@@ -77,6 +77,9 @@ class ChatDataModule(L.LightningDataModule):
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         """Counts of loss-masked target tokens in the training split (for draft vocabularies)."""
         self.setup()
+        if isinstance(self.train_set, FeatureDataset):
+            ids, masks = self.train_set.column("input_ids"), self.train_set.column("loss_mask")
+            return token_counts((i[m.bool()] for i, m in zip(ids, masks)), vocab_size)
         batches = (
             torch.as_tensor(row["input_ids"])[torch.as_tensor(row["loss_mask"]).bool()] for row in self.train_set
         )

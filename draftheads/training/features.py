@@ -90,6 +90,12 @@ class FeatureDataset(torch.utils.data.Dataset):
     def __len__(self):
         return self.n
 
+    def column(self, key: str):
+        """Yield ``key`` [rows, ...] shard by shard (without loading the features)."""
+        for sh in self.shards:
+            with safe_open(str(self.root / sh["file"]), framework="pt") as f:
+                yield f.get_tensor(key)
+
     def __getitem__(self, i):
         s = max(k for k, off in enumerate(self.offsets) if off <= i)
         r = i - self.offsets[s]

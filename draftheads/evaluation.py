@@ -1,0 +1,209 @@
+"""``draftheads eval``: acceptance and speedup per domain, plain and speculative decoding side by side.
+
+Each prompt (each turn of a multi-turn prompt) runs once with plain decoding and once with the
+proposer, in alternating order so that machine drift cancels. Later turns feed the target's own
+earlier (plain) answers back. Per domain and overall: tau, alpha per position, acceptance rate,
+drafts, tokens/s, speedup (sum of plain wall time / sum of speculative wall time) and 95 % confidence
+intervals over prompts; at T = 0 every speculative output is compared with the plain one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from draftheads.inference.engine import Engine
+from draftheads.inference.metrics import SpecMetrics, mean_ci95
+from draftheads.inference.sampling import SamplingParams
+from draftheads.prompts import Prompt, render_chat
+from draftheads.utils import atomic_write_json, atomic_write_text
+
+
+@dataclass
+class PromptResult:
+    id: str
+    domain: str
+    plain_wall_s: float = 0.0
+    spec_wall_s: float = 0.0
+    plain_tokens: int = 0
+    spec_tokens: int = 0
+    mismatches: int = 0
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+
+    @property
+    def speedup(self) -> float:
+        return self.plain_wall_s / self.spec_wall_s if self.spec_wall_s else float("nan")
+
+
+def _progress(done: int, total: int, t0: float, label: str) -> None:
+    el = time.perf_counter() - t0
+    eta = el / done * (total - done) if done else 0.0
+    bar = "#" * int(30 * done / max(total, 1))
+    print(f"\r{label} [{bar:<30}] {done}/{total} elapsed {el:5.0f}s eta {eta:5.0f}s", end="", file=sys.stderr, flush=True)
+    if done == total:
+        print(file=sys.stderr)
+
+
+def evaluate(target, proposer, prompts: list[Prompt], params: SamplingParams, batch_size: int = 1,
+             label: str = "eval", progress: bool = True) -> list[PromptResult]:
+    """Run plain and speculative decoding on ``prompts`` in batches; returns per-prompt results."""
+    tok = target.tokenizer
+    plain_engine = Engine(target.model, tok, None)
+    spec_engine = Engine(target.model, tok, proposer)
+    warm = tok("warm up", add_special_tokens=False).input_ids or [0]
+    plain_engine.generate([warm], SamplingParams(max_new_tokens=2))
+    spec_engine.generate([warm], SamplingParams(max_new_tokens=2))
+    results = {p.id: PromptResult(p.id, p.domain) for p in prompts}
+    histories: dict[str, list[dict]] = {p.id: [] for p in prompts}
+    total = sum(len(p.turns) for p in prompts)
+    done, t0, flip = 0, time.perf_counter(), False
+    max_turns = max(len(p.turns) for p in prompts)
+    for turn in range(max_turns):
+        live = [p for p in prompts if turn < len(p.turns)]
+        for s in range(0, len(live), batch_size):
+            batch = live[s : s + batch_size]
+            ids = []
+            for p in batch:
+                histories[p.id].append({"role": "user", "content": p.turns[turn]})
+                ids.append(tok(render_chat(tok, histories[p.id], name=target.info.name), add_special_tokens=False).input_ids)
+            order = [("spec", spec_engine), ("plain", plain_engine)] if flip else [("plain", plain_engine), ("spec", spec_engine)]
+            flip = not flip
+            outs = {}
+            for name, engine in order:
+                outs[name] = engine.generate(ids, [SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+                                                   for i in range(len(ids))])
+            for p, po, so in zip(batch, outs["plain"], outs["spec"]):
+                r = results[p.id]
+                r.plain_wall_s += po.metrics.wall_time_s / len(batch)
+                r.spec_wall_s += so.metrics.wall_time_s / len(batch)
+                r.plain_tokens += len(po.token_ids)
+                r.spec_tokens += len(so.token_ids)
+                if params.greedy and po.token_ids != so.token_ids:
+                    r.mismatches += 1
+                r.metrics = r.metrics.merge(so.metrics)
+                histories[p.id].append({"role": "assistant",
+                                        "content": tok.decode(po.token_ids, skip_special_tokens=True)})
+            done += len(batch)
+            if progress:
+                _progress(done, total, t0, label)
+    return [results[p.id] for p in prompts]
+
+
+def summarize(results: list[PromptResult]) -> dict:
+    m = SpecMetrics()
+    for r in results:
+        m = m.merge(r.metrics)
+    plain_wall = sum(r.plain_wall_s for r in results)
+    spec_wall = sum(r.spec_wall_s for r in results)
+    taus = [r.metrics.tau for r in results if r.metrics.drafts]
+    speedups = [r.speedup for r in results]
+    tau_mean, tau_ci = mean_ci95(taus)
+    sp_mean, sp_ci = mean_ci95(speedups)
+    return {
+        "n_prompts": len(results),
+        "tau": m.tau,
+        "tau_ci95": tau_ci,
+        "tau_mean_over_prompts": tau_mean,
+        "alpha": m.alpha,
+        "acceptance_rate": m.acceptance_rate,
+        "drafts": m.drafts,
+        "draft_tokens": m.draft_tokens,
+        "accepted": m.accepted,
+        "tokens_per_s_plain": sum(r.plain_tokens for r in results) / plain_wall if plain_wall else 0.0,
+        "tokens_per_s_spec": sum(r.spec_tokens for r in results) / spec_wall if spec_wall else 0.0,
+        "speedup": plain_wall / spec_wall if spec_wall else float("nan"),
+        "speedup_mean_over_prompts": sp_mean,
+        "speedup_ci95": sp_ci,
+        "greedy_mismatches": sum(r.mismatches for r in results),
+    }
+
+
+def report(results: list[PromptResult], meta: dict) -> dict:
+    domains = sorted({r.domain for r in results})
+    return {
+        **meta,
+        "overall": summarize(results),
+        "domains": {d: summarize([r for r in results if r.domain == d]) for d in domains},
+        "prompts": [{"id": r.id, "domain": r.domain, "tau": r.metrics.tau, "speedup": r.speedup,
+                     "mismatches": r.mismatches} for r in results],
+    }
+
+
+def markdown(res: dict) -> str:
+    k = max((len(v["alpha"]) for v in res["domains"].values()), default=0)
+    head = "| domain | prompts | τ (±95% CI) | " + " | ".join(f"α@{i + 1}" for i in range(k)) + \
+        " | plain tok/s | spec tok/s | speedup | mismatches |"
+    lines = [f"`{res['command']}`", "", head, "|" + "---|" * (head.count("|") - 1)]
+    rows = list(res["domains"].items()) + [("**overall**", res["overall"])]
+    for name, v in rows:
+        alphas = " | ".join(f"{a:.2f}" for a in v["alpha"]) + " | -" * (k - len(v["alpha"]))
+        lines.append(
+            f"| {name} | {v['n_prompts']} | {v['tau']:.2f} ± {v['tau_ci95']:.2f} | {alphas} | "
+            f"{v['tokens_per_s_plain']:.1f} | {v['tokens_per_s_spec']:.1f} | {v['speedup']:.2f}x | {v['greedy_mismatches']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plots(res: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    doms = list(res["domains"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for d in doms:
+        a = res["domains"][d]["alpha"]
+        ax.plot(range(1, len(a) + 1), a, marker="o", label=d)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("α (accepted / drafts reaching it)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    ax.set_title("acceptance by position")
+    files.append(out / "alpha_by_position.png")
+    fig.tight_layout()
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+    for key, ci, ylabel, name in (("tau", "tau_ci95", "τ (mean accepted length)", "tau_by_domain.png"),
+                                  ("speedup", "speedup_ci95", "speedup vs plain", "speedup_by_domain.png")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        vals = [res["domains"][d][key] for d in doms]
+        errs = [0 if res["domains"][d][ci] != res["domains"][d][ci] else res["domains"][d][ci] for d in doms]
+        ax.bar(doms, vals, yerr=errs, capsize=4)
+        if key == "speedup":
+            ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_ylabel(ylabel)
+        ax.tick_params(axis="x", rotation=30)
+        files.append(out / name)
+        fig.tight_layout()
+        fig.savefig(files[-1], dpi=120)
+        plt.close(fig)
+    return files
+
+
+def machine() -> dict:
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def write_results(res: dict, out: str | os.PathLike) -> list[Path]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "results.json", res)
+    atomic_write_text(out / "results.md", markdown(res))
+    return [out / "results.json", out / "results.md", *plots(res, out)]
+
+
+def dumps(res: dict) -> str:
+    return json.dumps(res, indent=2)

@@ -1,0 +1,29 @@
+import json
+
+from draftheads.cli import main
+
+
+def test_eval_on_spec_bench_and_gsm8k_fixtures(tiny_llama_dir, tmp_path, capsys):
+    sb = tmp_path / "question.jsonl"
+    sb.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"question_id": 1, "category": "writing", "turns": ["Write a line about foxes.", "Now shorter."]},
+        {"question_id": 2, "category": "translation", "turns": ["Translate into French: good morning"]},
+        {"question_id": 3, "category": "qa", "turns": ["What is 12 plus 30?"]},
+    ]))
+    gsm = tmp_path / "gsm8k.jsonl"
+    gsm.write_text(json.dumps({"question": "What is 2 plus 2?", "answer": "4\n#### 4"}) + "\n")
+    out = tmp_path / "eval"
+    assert main(["eval", "--target", str(tiny_llama_dir), "--proposer", "ngram", "--prompts", str(sb), str(gsm),
+                 "--max-new-tokens", "12", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["domains"]) == {"chat", "translation", "qa", "math"}
+    assert res["domains"]["chat"]["n_prompts"] == 1
+    assert res["overall"]["greedy_mismatches"] == 0
+    for key in ("tau", "speedup", "greedy_mismatches"):
+        assert key in res["overall"]
+    for d in res["domains"].values():
+        assert {"tau", "alpha", "speedup", "n_prompts"} <= set(d)
+    assert res["command"].startswith("draftheads eval") and res["machine"]["torch"]
+    for png in ("alpha_by_position.png", "tau_by_domain.png", "speedup_by_domain.png"):
+        assert (out / png).stat().st_size > 1000
+    assert "| **overall** |" in (out / "results.md").read_text()
