@@ -41,7 +41,12 @@ def cmd_generate(args) -> int:
     tok = target.tokenizer
     text = render_chat(tok, [{"role": "user", "content": args.prompt}], name=args.target)
     ids = tok(text, add_special_tokens=False).input_ids
-    engine = Engine(target.model, tok, proposer)
+    policy = switch = None
+    if args.tree == "auto" and proposer:
+        from draftheads.inference.build import make_policy
+
+        policy, switch = make_policy(proposer, args.target, str(target.model.device))
+    engine = Engine(target.model, tok, proposer, policy=policy, switch=switch)
     engine.generate([ids[:8]], SamplingParams(max_new_tokens=2))  # warm-up
     (out,) = engine.generate([ids], params)
     print(tok.decode(out.token_ids, skip_special_tokens=True))
@@ -50,6 +55,8 @@ def cmd_generate(args) -> int:
     line = f"[{name}] {m.emitted_tokens} tokens in {m.wall_time_s:.2f} s = {m.tokens_per_s:.1f} tok/s"
     if proposer:
         line += f"; {m.line()}"
+    if policy is not None:
+        line += f"; auto tree: {policy.best() or 'plain'}"
     if args.compare_plain and proposer:
         (plain,) = Engine(target.model, tok, None).generate([ids], params)
         line += (f"; plain {plain.metrics.tokens_per_s:.1f} tok/s; speedup "
@@ -170,7 +177,7 @@ def cmd_eval(args) -> int:
     target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     torch_threads(args)
     proposer = make_proposer(target, args.head, args.proposer, args.tree)
-    results = evaluation.evaluate(target, proposer, prompts, params, args.batch_size)
+    results = evaluation.evaluate(target, proposer, prompts, params, args.batch_size, auto_tree=args.tree == "auto")
     meta = {"command": "draftheads " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
             "target": args.target, "head": args.head, "proposer": proposer.name, "tree": args.tree,
             "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
@@ -203,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--head", default=None, help="head directory (train-head or draftheads import output)")
     p.add_argument("--proposer", default=None, help="head-less proposer: ngram")
-    p.add_argument("--tree", default=None, help="small | medium | large | chainK | static-tree JSON file (Medusa)")
+    p.add_argument("--tree", default=None,
+                   help="auto | small | medium | large | chainK | static-tree JSON file (Medusa); auto picks the tree "
+                        "(or plain decoding) with the best measured throughput")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

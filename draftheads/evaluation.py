@@ -52,11 +52,16 @@ def _progress(done: int, total: int, t0: float, label: str) -> None:
 
 
 def evaluate(target, proposer, prompts: list[Prompt], params: SamplingParams, batch_size: int = 1,
-             label: str = "eval", progress: bool = True) -> list[PromptResult]:
+             label: str = "eval", progress: bool = True, auto_tree: bool = False) -> list[PromptResult]:
     """Run plain and speculative decoding on ``prompts`` in batches; returns per-prompt results."""
     tok = target.tokenizer
     plain_engine = Engine(target.model, tok, None)
-    spec_engine = Engine(target.model, tok, proposer)
+    policy = switch = None
+    if auto_tree:
+        from draftheads.inference.build import make_policy
+
+        policy, switch = make_policy(proposer, target.info.name, str(target.model.device))
+    spec_engine = Engine(target.model, tok, proposer, policy=policy, switch=switch)
     warm = tok("warm up", add_special_tokens=False).input_ids or [0]
     plain_engine.generate([warm], SamplingParams(max_new_tokens=2))
     spec_engine.generate([warm], SamplingParams(max_new_tokens=2))

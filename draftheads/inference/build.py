@@ -24,10 +24,36 @@ def tree_spec(tree: str) -> TreeSpec:
     )
 
 
+AUTO_ARMS = {"eagle": [None, "chain2", "small", "medium", "large"], "eagle3": [None, "chain2", "small", "medium", "large"],
+             "medusa": [None, "chain2", "chain4", "small", "medium"], "ngram": [None, "chain2", "chain4", "chain8"]}
+
+
+def make_policy(proposer, target_name: str | None = None, device: str = "cpu"):
+    """``--tree auto``: an AutoTree over the proposer's trees and plain decoding, plus the
+    per-request switch. The verify-cost curve from ``draftheads profile`` orders the exploration."""
+    from draftheads.inference.policy import AutoTree, RequestSwitch
+    from draftheads.inference.profile import load_profile
+
+    arms = AUTO_ARMS[proposer.name]
+    prior = {}
+    curve = load_profile(target_name, device) if target_name else None
+    if curve:
+        def cost(n):
+            k = min(curve, key=lambda c: abs(c - n))
+            return curve[k]
+        sizes = {None: 1, "chain2": 3, "chain4": 5, "chain8": 9}
+        sizes.update({name: TREE_PRESETS[name][2] for name in TREE_PRESETS})
+        depth = {None: 0, "chain2": 2, "chain4": 4, "chain8": 8, **{n: TREE_PRESETS[n][0] for n in TREE_PRESETS}}
+        prior = {a: (1 + 0.5 * depth[a] ** 0.5) / cost(sizes[a]) for a in arms}  # rough tau guess / cost
+    return AutoTree(arms, prior=prior), RequestSwitch()
+
+
 def make_proposer(target, head: str | None = None, proposer: str | None = None, tree: str | None = None,
                   ngram_tokens: int = 4):
     """``target`` is a loaded :class:`~draftheads.targets.Target`. Returns None for plain decoding."""
     tree = tree or DEFAULT_TREE
+    if tree == "auto":
+        tree = DEFAULT_TREE  # the engine's AutoTree policy moves between trees from here
     if head and proposer:
         raise DraftheadsError("give either --head DIR or --proposer NAME, not both")
     if proposer:

@@ -50,10 +50,12 @@ class _Batch:
 
 class Engine:
     def __init__(self, model, tokenizer=None, proposer: Proposer | None = None, config: EngineConfig | None = None,
-                 eos_token_ids=None):
+                 eos_token_ids=None, policy=None, switch=None):
         self.model = model
         self.tokenizer = tokenizer
         self.proposer = proposer
+        self.policy = policy  # AutoTree: which tree (or plain) per step, from measured throughput
+        self.switch = switch  # RequestSwitch: per-request speculation off when it cannot pay
         self.config = config or EngineConfig()
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = cfg.num_hidden_layers
@@ -163,12 +165,20 @@ class Engine:
             if self.proposer:
                 self.proposer.start(st, {i: h[off: off + n] for i, h in hidden.items()})
             off += n
+        step = 0
         while True:
             live = [st for st in states if not st.done]
             if not live:
                 break
-            trees = [self._propose(st) for st in live]
+            step += 1
+            t_step = time.perf_counter()
+            arm = self._choose_arm()
+            for st in live:
+                if self.switch:
+                    self.switch.maybe_probe(st, step)
+            trees = [self._propose(st, plain=arm is None) for st in live]
             logits, hidden = self._forward(cache, live, trees, layer_ids)
+            before = {st.rid: len(st.tokens) for st in live}
             off = 0
             for st, tree in zip(live, trees):
                 n = len(tree)
@@ -183,6 +193,7 @@ class Engine:
                     path = torch.tensor(res.path, device=self.device) + off
                     self.proposer.observe(st, {i: h[path] for i, h in hidden.items()}, len(res.path))
                 off += n
+            self._after_step(arm, live, before, time.perf_counter() - t_step, step, trees)
             if progress:
                 progress(sum(len(st.generated) for st in states))
         wall = time.perf_counter() - t0
@@ -197,8 +208,27 @@ class Engine:
             outputs.append(GenerationOutput(st.rid, st.tokens[: st.prompt_len], st.generated, st.metrics, reason))
         return outputs
 
-    def _propose(self, st: RequestState) -> Tree:
-        if self.proposer is None or not st.speculate:
+    def _choose_arm(self):
+        if self.policy is None or self.proposer is None:
+            return "fixed"
+        arm = self.policy.choose()
+        if arm is not None:
+            self.proposer.set_tree(arm)
+        return arm
+
+    def _after_step(self, arm, live, before, seconds, step, trees) -> None:
+        if self.policy is None or self.proposer is None:
+            return
+        emitted = {st.rid: len(st.tokens) - before[st.rid] for st in live}
+        self.policy.update(arm, sum(emitted.values()), seconds)
+        ratio = self.policy.cost_ratio(arm)
+        if self.switch and ratio is not None:
+            for st, tree in zip(live, trees):
+                if len(tree) > 1 and not st.done:
+                    self.switch.observe(st, emitted[st.rid], step, ratio)
+
+    def _propose(self, st: RequestState, plain: bool = False) -> Tree:
+        if self.proposer is None or not st.speculate or plain:
             return Tree([st.root], [-1])
         tree = self.proposer.propose(st)
         if tree.tokens[0] != st.root:

@@ -59,3 +59,7 @@ class Proposer:
 
     def finish(self, state: RequestState) -> None:
         """The request is done; drop its state."""
+
+    def set_tree(self, name: str) -> None:
+        """Switch to the named tree (``--tree auto`` moves between them)."""
+        raise NotImplementedError(f"{self.name} proposer has no tree options")

@@ -87,6 +87,11 @@ class DraftTreeProposer(Proposer):
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return ids
 
+    def set_tree(self, name: str) -> None:
+        from draftheads.inference.build import tree_spec
+
+        self.tree = tree_spec(name)
+
     # -- following the committed sequence ------------------------------------
 
     @torch.no_grad()

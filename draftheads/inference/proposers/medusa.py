@@ -17,12 +17,20 @@ class MedusaProposer(Proposer):
         cfg = head.config
         self.layer_ids = (target.config.get_text_config().num_hidden_layers,)
         self.target_lm_head = target.get_output_embeddings().weight
-        shape = shape or greedy_shape(default_rank_accept(cfg.num_heads, 4), 15)
-        shape = [p for p in shape if len(p) <= cfg.num_heads]
+        self.num_heads = cfg.num_heads
+        self.set_shape(shape or greedy_shape(default_rank_accept(cfg.num_heads, 4), 15))
+        self.last: dict[int, torch.Tensor] = {}
+
+    def set_shape(self, shape) -> None:
+        shape = [p for p in shape if len(p) <= self.num_heads]
         self.parents, self.paths = shape_from_paths(shape)
         self.top_k = max(max(p) for p in self.paths[1:]) + 1
         self.depth = max(len(p) for p in self.paths)
-        self.last: dict[int, torch.Tensor] = {}
+
+    def set_tree(self, name: str) -> None:
+        from draftheads.inference.tree import load_shape
+
+        self.set_shape(load_shape(name))
 
     def start(self, st: RequestState, hidden) -> None:
         self.last[st.rid] = hidden[self.layer_ids[0]][-1]

@@ -17,6 +17,11 @@ class NGramProposer(Proposer):
             raise DraftheadsError(f"ngram proposer needs num_tokens >= 1 and 1 <= min_n <= max_n (got {num_tokens}, {min_n}, {max_n})")
         self.k, self.max_n, self.min_n = num_tokens, max_n, min_n
 
+    def set_tree(self, name: str) -> None:
+        if not (name.startswith("chain") and name[5:].isdigit()):
+            raise DraftheadsError(f"the ngram proposer drafts chains: use chainK, not {name!r}")
+        self.k = int(name[5:])
+
     def lookup(self, tokens: list[int]) -> list[int]:
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             tail = tokens[-n:]
