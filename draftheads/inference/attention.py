@@ -41,6 +41,7 @@ class PagedStep:
     block_tables: list[list[int]] = field(default_factory=list)
     use_triton: bool = False
     _additive: dict = field(default_factory=dict, repr=False)
+    _triton_args: tuple | None = field(default=None, repr=False)
 
     @property
     def rows(self) -> int:
