@@ -150,6 +150,7 @@ def _eagle3_from(w: dict, layer: LayerSpec, vocab: int, draft_vocab: int, aux, t
     w["t2d"] = w["t2d"].to(torch.bool) if "t2d" in w else torch.zeros(vocab, dtype=torch.bool).index_fill_(
         0, torch.arange(draft_vocab) + d2t, True)
     w["d2t"] = d2t.to(torch.int64)
+    w["aux_scale"] = torch.ones(3)  # public checkpoints apply fc to unscaled states
     _load_strict(head, w, src)
     return head
 

@@ -38,7 +38,7 @@ def _layer_state(head) -> dict[str, torch.Tensor]:
 
 
 def eagle3_tensors(head) -> dict[str, torch.Tensor]:
-    t = {"fc.weight": head.fc.weight, "norm.weight": head.norm.weight, "lm_head.weight": head.lm_head.weight,
+    t = {"fc.weight": head.folded_fc_weight(), "norm.weight": head.norm.weight, "lm_head.weight": head.lm_head.weight,
          "d2t": head.d2t.to(torch.int64), "t2d": head.t2d.to(torch.bool)}
     t.update(_layer_state(head))
     return t

@@ -77,11 +77,21 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        # Per-layer scale dividing each aux hidden state before fc. Middle layers of many targets carry
+        # massive activations (norms of 1e4); training in rescaled units keeps fc's updates in proportion.
+        # Exports fold it into fc.weight, so served models are plain EAGLE-3.
+        self.register_buffer("aux_scale", torch.ones(3))
         self.rotary = Rotary(config.layer)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [B, T, 3*H_target] (layers concatenated in aux_layer_ids order) -> g [B, T, H]."""
-        return self.fc(aux)
+        scaled = aux.unflatten(-1, (3, -1)) / self.aux_scale.to(aux.dtype)[:, None]
+        return self.fc(scaled.flatten(-2))
+
+    def folded_fc_weight(self) -> torch.Tensor:
+        """fc.weight acting on unscaled aux states (what vLLM's fc computes)."""
+        w = self.fc.weight
+        return (w.unflatten(1, (3, -1)) / self.aux_scale.to(w.dtype)[None, :, None]).flatten(1)
 
     def forward(self, embeds, hidden, position_ids, mask=None, past_kv=None, extra_kv=None):
         """One drafting step. embeds, hidden [B, T, H] -> (pre-norm hidden [B, T, H], new (k, v))."""

@@ -144,7 +144,27 @@ class Eagle3Module(_EagleBase):
         _install_vocab(head, vocab)
         with torch.no_grad():
             head.lm_head.weight.copy_(self.lm_head_weight[vocab.draft_ids].float())
+            head.aux_scale.copy_(self._aux_rms(datamodule, ids))
+        log.warning("aux hidden-state RMS (fc input scale): %s", [round(float(x), 2) for x in head.aux_scale])
         return head
+
+    @torch.no_grad()
+    def _aux_rms(self, datamodule, ids, batches: int = 4) -> torch.Tensor:
+        """RMS of each aux hidden state over a few training batches (masked to real tokens)."""
+        datamodule.setup()
+        loader = torch.utils.data.DataLoader(datamodule.train_set, batch_size=datamodule.hparams.batch_size,
+                                             collate_fn=datamodule._collate)
+        sums, count = torch.zeros(len(ids)), 0
+        for n, batch in enumerate(loader):
+            if n == batches:
+                break
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            feats = self.features(batch, list(ids))
+            real = batch["doc_ids"] >= 0
+            for i, layer in enumerate(ids):
+                sums[i] += feats[layer][real].float().pow(2).mean(-1).sum().cpu()
+            count += int(real.sum())
+        return (sums / max(count, 1)).sqrt().clamp(min=1e-6)
 
     def compute_loss(self, batch):
         cfg = self.head.config

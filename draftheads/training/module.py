@@ -122,7 +122,7 @@ class DraftHeadModule(L.LightningModule):
 
     @property
     def head_dtype(self) -> torch.dtype:
-        return next(self.head.parameters()).dtype
+        return next(self.head.parameters()).dtype if self.head is not None else torch.float32
 
     @property
     def target_dtype(self) -> torch.dtype:
