@@ -189,6 +189,60 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from pathlib import Path
+
+    from draftheads import evaluation
+    from draftheads.bench import speed
+    from draftheads.inference.build import make_proposer
+    from draftheads.prompts import load_prompts, render_chat
+    from draftheads.targets import load_target
+    from draftheads.utils import atomic_write_json, atomic_write_text
+
+    parts = [p.strip() for p in args.only.split(",")] if args.only else list(speed.PARTS)
+    unknown = set(parts) - set(speed.PARTS)
+    if unknown:
+        raise DraftheadsError(f"--only {sorted(unknown)} unknown: use some of {', '.join(speed.PARTS)}")
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    res = {"command": "draftheads " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": evaluation.machine(), "target": args.target}
+    target = None
+    if set(parts) - {"memory"}:
+        target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+        tok = target.tokenizer
+        prompts = [tok(render_chat(tok, [{"role": "user", "content": p.turns[0]}]), add_special_tokens=False).input_ids
+                   for p in load_prompts(args.prompts, limit_per_domain=args.limit_per_domain)]
+        proposers = {"ngram": make_proposer(target, proposer="ngram")}
+        for name, head in (("medusa", args.medusa), ("eagle", args.eagle), ("eagle3", args.eagle3)):
+            if head:
+                proposers[name] = make_proposer(target, head=head, tree=args.tree)
+    if "verify" in parts:
+        from draftheads.inference.profile import verify_curve
+
+        curve = verify_curve(target.model, prefix=256, repeats=args.repeats)
+        res["verify_curve"] = {str(k): v for k, v in curve.items()}
+        res["memory_bound"] = speed.memory_bound_check(target.model, curve)
+        say(f"verify curve: {res['verify_curve']}")
+    if "proposers" in parts:
+        res["proposers"] = speed.proposer_speeds(target, proposers, prompts, args.max_new_tokens, progress=say)
+    if "batch" in parts:
+        batches = [int(b) for b in args.batches.split(",")]
+        res["batch_sweep"] = speed.batch_sweep(target, proposers, prompts, args.batch_tokens, batches, progress=say)
+    if "memory" in parts:
+        from draftheads.bench.loss_memory import run
+
+        res["loss_memory"] = run(tokens=4096, progress=say)["vocab"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "results.json", res)
+    text = speed.tables(res)
+    atomic_write_text(out / "results.md", text)
+    files = speed.plots(res, out)
+    print(text)
+    print("wrote " + ", ".join(str(f) for f in [out / "results.json", out / "results.md", *files]))
+    return 0
+
+
 def torch_threads(args) -> None:
     if getattr(args, "threads", None):
         import torch
@@ -288,6 +342,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_eval, argv=None)
+
+    p = sub.add_parser("bench", help="verify curve, proposer speeds, batch sweep and loss memory, side by side")
+    _add_target_args(p)
+    p.add_argument("--medusa", default=None)
+    p.add_argument("--eagle", default=None)
+    p.add_argument("--eagle3", default=None)
+    p.add_argument("--prompts", default="bundled:eval")
+    p.add_argument("--limit-per-domain", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-tokens", type=int, default=32, help="new tokens per row in the batch sweep")
+    p.add_argument("--batches", default="1,2,4,8,16")
+    p.add_argument("--tree", default=None)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--only", default=None, help="comma list of: verify, proposers, batch, memory")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_bench, argv=None)
     return parser
 
 

@@ -27,3 +27,16 @@ def test_eval_on_spec_bench_and_gsm8k_fixtures(tiny_llama_dir, tmp_path, capsys)
     for png in ("alpha_by_position.png", "tau_by_domain.png", "speedup_by_domain.png"):
         assert (out / png).stat().st_size > 1000
     assert "| **overall** |" in (out / "results.md").read_text()
+
+
+def test_bench_parts_on_tiny_target(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert main(["bench", "--target", str(tiny_llama_dir), "--only", "verify,proposers,batch", "--max-new-tokens", "6",
+                 "--batch-tokens", "4", "--batches", "1,2", "--repeats", "1", "--limit-per-domain", "1",
+                 "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["verify_curve"]) == {"1", "2", "4", "8", "16", "32", "64"}
+    assert {"plain", "hf_generate", "hf_prompt_lookup", "ngram"} <= set(res["proposers"])
+    assert res["proposers"]["plain"]["ratio_vs_plain"] == 1.0
+    assert set(res["batch_sweep"]["ngram"]) == {"1", "2"}
+    assert (out / "verify_curve.png").is_file() and (out / "batch_sweep.png").is_file()

@@ -1,0 +1,166 @@
+"""``draftheads bench``: speed side by side in one run.
+
+Parts (``--only``): ``verify`` (forward time for K = 1 .. 64 query tokens and the memory-bound check),
+``proposers`` (tokens/s of plain decoding in our engine, HF ``generate``, HF prompt lookup, n-gram and
+the given heads, on the same prompts), ``batch`` (speedup of each proposer vs plain decoding at batch
+1 .. 16), ``memory`` (the loss memory table). Every timed configuration generates exactly
+``max_new_tokens`` tokens per prompt (no early stop), alternating between methods per prompt.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from draftheads.inference.engine import Engine
+from draftheads.inference.sampling import SamplingParams
+
+PARTS = ("verify", "proposers", "batch", "memory")
+
+
+def memory_bound_check(model, curve: dict[int, float]) -> dict:
+    """Weight bytes / measured copy bandwidth vs the measured 1-token forward time."""
+    from draftheads.bench.kernels import copy_bandwidth
+
+    device = next(model.parameters()).device
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bw = copy_bandwidth(device, 1 << 28)
+    floor_ms = weight_bytes / (bw / 2) * 1000  # reading every weight once (copy bw counts read + write)
+    return {"weight_mb": weight_bytes / 2**20, "copy_gbps": bw / 1e9, "weight_read_ms": floor_ms,
+            "k1_ms": curve[min(curve)], "k1_over_weight_read": curve[min(curve)] / floor_ms}
+
+
+def _hf_generate(model, ids, n, prompt_lookup: int | None = None):
+    kw = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+    x = torch.tensor([ids], device=model.device)
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         pad_token_id=0, **kw)
+    return out.shape[1] - len(ids)
+
+
+def proposer_speeds(target, proposers: dict, prompts: list[list[int]], n: int, progress=print) -> dict:
+    """Tokens/s per method on the same prompts at batch 1; ratio to our plain decode."""
+    model = target.model
+    params = SamplingParams(max_new_tokens=n, stop_at_eos=False)
+    engines = {"plain": Engine(model, target.tokenizer, None)}
+    engines.update({name: Engine(model, target.tokenizer, p) for name, p in proposers.items()})
+    methods = list(engines) + ["hf_generate", "hf_prompt_lookup"]
+    wall = dict.fromkeys(methods, 0.0)
+    tokens = dict.fromkeys(methods, 0)
+    taus: dict[str, list] = {m: [] for m in engines}
+    for e in engines.values():
+        e.generate([prompts[0][:8]], SamplingParams(max_new_tokens=2))
+    _hf_generate(model, prompts[0][:8], 2)
+    for i, ids in enumerate(prompts):
+        order = methods if i % 2 == 0 else methods[::-1]
+        for m in order:
+            t0 = time.perf_counter()
+            if m in engines:
+                (o,) = engines[m].generate([ids], params)
+                got = len(o.token_ids)
+                taus[m].append(o.metrics)
+            else:
+                got = _hf_generate(model, ids, n, prompt_lookup=10 if m == "hf_prompt_lookup" else None)
+            wall[m] += time.perf_counter() - t0
+            tokens[m] += got
+        progress(f"proposers: prompt {i + 1}/{len(prompts)}")
+    out = {}
+    plain_rate = tokens["plain"] / wall["plain"]
+    for m in methods:
+        rate = tokens[m] / wall[m]
+        out[m] = {"tokens_per_s": rate, "ratio_vs_plain": rate / plain_rate}
+        if m in taus and m != "plain":
+            agg = taus[m][0]
+            for x in taus[m][1:]:
+                agg = agg.merge(x)
+            out[m]["tau"] = agg.tau
+            out[m]["alpha"] = agg.alpha
+    return out
+
+
+def batch_sweep(target, proposers: dict, prompts: list[list[int]], n: int, batches=(1, 2, 4, 8, 16),
+                progress=print) -> dict:
+    """Speedup of each proposer over plain decoding at each batch size (same prompts, alternating)."""
+    model = target.model
+    params = SamplingParams(max_new_tokens=n, stop_at_eos=False)
+    plain = Engine(model, target.tokenizer, None)
+    out: dict = {name: {} for name in proposers}
+    for b in batches:
+        rows = [prompts[i % len(prompts)] for i in range(b)]
+        for name, prop in proposers.items():
+            spec = Engine(model, target.tokenizer, prop)
+            times = {"plain": 0.0, "spec": 0.0}
+            for rep in range(2):
+                for which, eng in ((("plain", plain), ("spec", spec)) if rep == 0 else (("spec", spec), ("plain", plain))):
+                    t0 = time.perf_counter()
+                    eng.generate(rows, params)
+                    times[which] += time.perf_counter() - t0
+            out[name][b] = times["plain"] / times["spec"]
+            progress(f"batch sweep: {name} batch {b}: {out[name][b]:.2f}x")
+    return out
+
+
+def tables(res: dict) -> str:
+    lines = [f"`{res['command']}` ({res['date']}, {res['machine']['platform']}, {res['machine']['threads']} threads)", ""]
+    if "verify_curve" in res:
+        lines += ["verify cost (one forward, K query tokens after a 256-token prefix)", "",
+                  "| K | ms | x K=1 |", "|---|---|---|"]
+        base = res["verify_curve"][min(res["verify_curve"], key=int)]
+        lines += [f"| {k} | {v:.1f} | {v / base:.2f} |" for k, v in res["verify_curve"].items()]
+        mb = res["memory_bound"]
+        lines += ["", f"weights {mb['weight_mb']:.0f} MB, copy bandwidth {mb['copy_gbps']:.1f} GB/s: reading the weights "
+                      f"takes {mb['weight_read_ms']:.1f} ms; the 1-token forward takes {mb['k1_ms']:.1f} ms "
+                      f"({mb['k1_over_weight_read']:.2f}x)", ""]
+    if "proposers" in res:
+        lines += ["| method | tokens/s | vs plain | τ |", "|---|---|---|---|"]
+        for m, v in res["proposers"].items():
+            lines.append(f"| {m} | {v['tokens_per_s']:.1f} | {v['ratio_vs_plain']:.2f}x | {v.get('tau', float('nan')):.2f} |")
+        lines.append("")
+    if "batch_sweep" in res:
+        bs = sorted({int(b) for v in res["batch_sweep"].values() for b in v})
+        lines += ["| proposer | " + " | ".join(f"batch {b}" for b in bs) + " |", "|---" * (len(bs) + 1) + "|"]
+        for name, v in res["batch_sweep"].items():
+            lines.append(f"| {name} | " + " | ".join(f"{v[b]:.2f}x" if b in v else "-" for b in bs) + " |")
+        lines.append("")
+    if "loss_memory" in res:
+        lines += ["| vocab | plain MB | fused MB | fused/plain |", "|---|---|---|---|"]
+        for v, row in res["loss_memory"].items():
+            lines.append(f"| {v} | {row['plain_mb']:.0f} | {row['fused_mb']:.0f} | {row['fused_mb'] / row['plain_mb']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(res: dict, out) -> list:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    if "verify_curve" in res:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ks = sorted(res["verify_curve"], key=int)
+        ax.plot([int(k) for k in ks], [res["verify_curve"][k] for k in ks], marker="o")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("query tokens in one forward")
+        ax.set_ylabel("ms")
+        ax.set_title("verify cost")
+        fig.tight_layout()
+        files.append(out / "verify_curve.png")
+        fig.savefig(files[-1], dpi=120)
+        plt.close(fig)
+    if "batch_sweep" in res:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for name, v in res["batch_sweep"].items():
+            bs = sorted(v, key=int)
+            ax.plot([int(b) for b in bs], [v[b] for b in bs], marker="o", label=name)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("speedup vs plain")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        files.append(out / "batch_sweep.png")
+        fig.savefig(files[-1], dpi=120)
+        plt.close(fig)
+    return files
