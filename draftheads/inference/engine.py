@@ -114,7 +114,7 @@ class Engine:
             per_row = [len(p) + sp.max_new_tokens + self.config.max_tree_tokens for p, sp in zip(prompts, params)]
             blocks = sum(-(-n // self.config.block_size) + 1 for n in per_row)
         return PagedKVCache(self.num_layers, blocks, self.kv_heads, self.head_dim, self.config.block_size,
-                            self.dtype, self.device)
+                            self.dtype, self.device, use_triton=self.use_triton)
 
     def _emit(self, st: RequestState, tokens: list[int]) -> None:
         budget = st.params.max_new_tokens - len(st.generated)
@@ -179,10 +179,11 @@ class Engine:
             trees = [self._propose(st, plain=arm is None) for st in live]
             logits, hidden = self._forward(cache, live, trees, layer_ids)
             before = {st.rid: len(st.tokens) for st in live}
+            fused = self._verify_fused(live, trees, logits)
             off = 0
-            for st, tree in zip(live, trees):
+            for row, (st, tree) in enumerate(zip(live, trees)):
                 n = len(tree)
-                res = self._verify(st, tree, logits[off: off + n])
+                res = fused[row] if fused else self._verify(st, tree, logits[off: off + n])
                 cache.commit(st.rid, res.path)
                 drafted = n - 1
                 if drafted:
@@ -236,6 +237,34 @@ class Engine:
         if len(tree) > self.config.max_tree_tokens:
             raise DraftheadsError(f"tree of {len(tree)} tokens exceeds max_tree_tokens={self.config.max_tree_tokens}")
         return tree
+
+    def _verify_fused(self, live, trees, logits) -> list[VerifyResult] | None:
+        """Triton path: the greedy walk of every row in one launch (greedy rows, real drafts only)."""
+        if not self.use_triton or getattr(self.proposer, "name", None) == "synthetic" \
+                or not all(st.params.greedy for st in live) or max(len(t) for t in trees) == 1:
+            return None
+        from draftheads.kernels.verify import greedy_verify
+
+        width = max(len(t) for t in trees)
+        argmax = logits.argmax(-1).to(torch.int32)
+        tokens = torch.full((len(trees), width), -1, dtype=torch.int32)
+        parents = torch.full((len(trees), width), -2, dtype=torch.int32)
+        am = torch.full((len(trees), width), -1, dtype=torch.int32, device=self.device)
+        off = 0
+        for r, t in enumerate(trees):
+            tokens[r, : len(t)] = torch.tensor(t.tokens, dtype=torch.int32)
+            parents[r, : len(t)] = torch.tensor(t.parents, dtype=torch.int32)
+            am[r, : len(t)] = argmax[off: off + len(t)]
+            off += len(t)
+        sizes = torch.tensor([len(t) for t in trees], dtype=torch.int32, device=self.device)
+        acc, count = greedy_verify(tokens.to(self.device), parents.to(self.device), am, sizes)
+        acc, count, am = acc.cpu(), count.cpu(), am.cpu()
+        out = []
+        for r, t in enumerate(trees):
+            nodes = acc[r, : int(count[r])].tolist()
+            last = nodes[-1] if nodes else 0
+            out.append(VerifyResult(nodes, [t.tokens[i] for i in nodes] + [int(am[r, last])]))
+        return out
 
     def _verify(self, st: RequestState, tree: Tree, logits: torch.Tensor) -> VerifyResult:
         if getattr(self.proposer, "name", None) == "synthetic" and len(tree) > 1:

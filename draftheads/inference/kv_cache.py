@@ -33,7 +33,7 @@ class SeqBlocks:
 class PagedKVCache:
     def __init__(
         self, num_layers: int, num_blocks: int, kv_heads: int, head_dim: int,
-        block_size: int = 16, dtype=torch.float32, device="cpu",
+        block_size: int = 16, dtype=torch.float32, device="cpu", use_triton: bool = False,
     ):
         if num_blocks < 1 or block_size < 1:
             raise DraftheadsError(f"kv cache needs num_blocks >= 1 and block_size >= 1 (got {num_blocks}, {block_size})")
@@ -47,6 +47,7 @@ class PagedKVCache:
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self.seqs: dict[int, SeqBlocks] = {}
         self.device = torch.device(device)
+        self.use_triton = use_triton  # commit moves with the Triton kernel (one launch per layer)
 
     # ------------------------------------------------------------------ allocation
 
@@ -120,8 +121,14 @@ class PagedKVCache:
         if src:
             moves_from = self.slots(seq_id, seq.length, accepted[-1] + 1)[torch.tensor(accepted)]
             moves_to = self.slots(seq_id, seq.length, len(accepted))
-            for layer in range(len(self.kv)):
-                self._flat[layer].index_copy_(1, moves_to, self.gather_kv(layer, moves_from))
+            if self.use_triton:
+                from draftheads.kernels.verify import commit_kv
+
+                for layer in range(len(self.kv)):
+                    commit_kv(self._flat[layer], moves_from, moves_to)
+            else:
+                for layer in range(len(self.kv)):
+                    self._flat[layer].index_copy_(1, moves_to, self.gather_kv(layer, moves_from))
         self.truncate(seq_id, seq.length + len(accepted))
 
     def truncate(self, seq_id: int, length: int) -> None:
