@@ -49,6 +49,29 @@ def _sample(p: torch.Tensor, gen: torch.Generator | None) -> int:
     return int(torch.multinomial(p, 1, generator=gen))
 
 
+def inverse_cdf(p: torch.Tensor, u: float) -> int:
+    """The token whose cumulative probability interval holds ``u`` (u in [0, 1))."""
+    c = torch.cumsum(p.double(), 0)
+    return int(min(int(torch.searchsorted(c, torch.tensor(u * float(c[-1]), dtype=torch.float64), right=True)),
+                   p.numel() - 1))
+
+
+def verify_sampled_uniforms(tree: Tree, probs: torch.Tensor, uniforms: list[float]) -> VerifyResult:
+    """Deterministic-draft sampling walk with given uniforms (``uniforms[d]`` draws at depth d) --
+    the same walk as :func:`verify_sampled`, in the form the Triton kernel reproduces."""
+    kids = tree.children()
+    cur, accepted, tokens = 0, [], []
+    for u in uniforms:
+        x = inverse_cdf(probs[cur], u)
+        tokens.append(x)
+        nxt = next((c for c in kids[cur] if tree.tokens[c] == x), None)
+        if nxt is None:
+            return VerifyResult(accepted, tokens)
+        accepted.append(nxt)
+        cur = nxt
+    raise ValueError(f"{len(uniforms)} uniforms cannot cover a walk through a tree of depth {tree.depth}")
+
+
 def verify_sampled(tree: Tree, probs: torch.Tensor, gen: torch.Generator | None = None) -> VerifyResult:
     """``probs`` [N, V]: the target's distribution after each node (already temperature/top-p'd)."""
     kids = tree.children()

@@ -3,6 +3,8 @@
 * ``greedy_verify``: one program per row walks its tree from the root, following the child whose
   token equals the target's argmax at the current node; outputs the accepted node indices and
   their count (same result as :func:`draftheads.inference.verify.verify_greedy`).
+* ``sampled_verify``: the sampling walk for deterministic drafts with given uniforms (same result as
+  :func:`draftheads.inference.verify.verify_sampled_uniforms`).
 * ``commit_kv``: copies every accepted node's K/V (all rows, one layer) from its tree slot to its
   final slot in one launch (moves in order, so overlapping source/destination ranges are safe).
 
@@ -73,6 +75,73 @@ def greedy_verify_ref(tokens, parents, argmax, sizes):
             cur = kids[0]
         count[r] = k
     return out, count
+
+
+@triton.jit
+def _sampled_verify_kernel(TOKENS, PARENTS, PROBS, STARTS, SIZES, UNIF, OUT, COUNT, BONUS, stride_row, stride_p, V,
+                           MAX_NODES: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Per row: at each node draw x by inverse CDF of the target's probabilities with the depth's
+    uniform; follow the child carrying x, else x is the bonus token."""
+    row = tl.program_id(0)
+    n = tl.load(SIZES + row)
+    start = tl.load(STARTS + row)
+    offs = tl.arange(0, MAX_NODES)
+    valid = offs < n
+    tokens = tl.load(TOKENS + row * stride_row + offs, mask=valid, other=-1)
+    parents = tl.load(PARENTS + row * stride_row + offs, mask=valid, other=-2)
+    cur = 0
+    count = 0
+    go = 1
+    bonus = 0
+    for d in range(0, MAX_NODES):
+        u = tl.load(UNIF + row * stride_row + d)
+        base = PROBS + (start + cur) * stride_p
+        total = 0.0
+        for b in range(0, V, BLOCK_V):
+            ov = b + tl.arange(0, BLOCK_V)
+            total += tl.sum(tl.load(base + ov, mask=ov < V, other=0.0).to(tl.float32), axis=0)
+        target = u * total
+        carried = 0.0
+        x = V - 1
+        for b in range(0, V, BLOCK_V):
+            ov = b + tl.arange(0, BLOCK_V)
+            pv = tl.load(base + ov, mask=ov < V, other=0.0).to(tl.float32)
+            c = tl.cumsum(pv, axis=0) + carried
+            hit = (c > target) & (ov < V)
+            first = tl.min(tl.where(hit, ov, V), axis=0)
+            x = tl.minimum(x, first)
+            carried += tl.sum(pv, axis=0)
+        match = valid & (parents == cur) & (tokens == x) & (go == 1)
+        child = tl.min(tl.where(match, offs, MAX_NODES), axis=0)
+        found = child < MAX_NODES
+        bonus = tl.where((go == 1) & (found == 0), x, bonus)
+        tl.store(OUT + row * stride_row + count, child, mask=found)
+        count = tl.where(found, count + 1, count)
+        go = tl.where(found, go, 0)
+        cur = tl.where(found, child, cur)
+    tl.store(COUNT + row, count)
+    tl.store(BONUS + row, bonus)
+
+
+def sampled_verify(tokens, parents, probs, starts, sizes, uniforms):
+    """tokens/parents [rows, W] int32; probs [total_nodes, V] (rows' nodes stacked, row r from starts[r]);
+    uniforms [rows, W] float32 (one per depth) -> (accepted [rows, W], count [rows], bonus [rows])."""
+    rows, width = tokens.shape
+    block = triton.next_power_of_2(width)
+    pad = block - width
+    if pad:
+        tokens = torch.nn.functional.pad(tokens, (0, pad), value=-1)
+        parents = torch.nn.functional.pad(parents, (0, pad), value=-2)
+        uniforms = torch.nn.functional.pad(uniforms, (0, pad), value=0.5)
+    tokens, parents, uniforms, probs = tokens.contiguous(), parents.contiguous(), uniforms.contiguous(), probs.contiguous()
+    out = torch.full((rows, block), -1, dtype=torch.int32, device=tokens.device)
+    count = torch.zeros(rows, dtype=torch.int32, device=tokens.device)
+    bonus = torch.zeros(rows, dtype=torch.int32, device=tokens.device)
+    v = probs.shape[1]
+    _sampled_verify_kernel[(rows,)](tokens, parents, probs, starts, sizes, uniforms, out, count, bonus,
+                                    tokens.stride(0), probs.stride(0), v, MAX_NODES=block,
+                                    BLOCK_V=min(1024, triton.next_power_of_2(v)))
+    return out[:, :width], count, bonus
 
 
 @triton.jit

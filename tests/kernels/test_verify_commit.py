@@ -49,3 +49,34 @@ def test_commit_kernel_matches_reference_with_overlapping_moves():
     commit_kv_ref(want, src, dst)
     commit_kv(kv, src, dst)
     torch.testing.assert_close(kv, want, rtol=0, atol=0)
+
+
+def test_sampled_verify_kernel_matches_verify_py_for_same_uniforms():
+    from draftheads.inference.verify import verify_sampled_uniforms
+    from draftheads.kernels.verify import sampled_verify
+
+    g = torch.Generator().manual_seed(5)
+    trees, _ = _random_trees(12, 1)
+    vocab = 37  # odd, spans several scan blocks only if BLOCK_V < V; keep it small for the interpreter
+    probs = [torch.softmax(torch.randn(len(t), vocab, generator=g) * 2, -1) for t in trees]
+    for t, p in zip(trees, probs):  # make drafted children likely so walks go deep
+        for i, par in enumerate(t.parents[1:], 1):
+            p[par, t.tokens[i]] += 2.0
+        p /= p.sum(-1, keepdim=True)
+    width = max(len(t) for t in trees)
+    pad = lambda xs, v: xs + [v] * (width - len(xs))  # noqa: E731
+    tokens = torch.tensor([pad(t.tokens, -1) for t in trees], dtype=torch.int32)
+    parents = torch.tensor([pad(t.parents, -2) for t in trees], dtype=torch.int32)
+    uniforms = torch.rand(len(trees), width, generator=g)
+    starts = torch.tensor([0] + [len(t) for t in trees[:-1]], dtype=torch.int32).cumsum(0).to(torch.int32)
+    sizes = torch.tensor([len(t) for t in trees], dtype=torch.int32)
+    out, count, bonus = sampled_verify(tokens.to(DEVICE), parents.to(DEVICE), torch.cat(probs).to(DEVICE),
+                                       starts.to(DEVICE), sizes.to(DEVICE), uniforms.to(DEVICE))
+    deep = 0
+    for r, (t, p) in enumerate(zip(trees, probs)):
+        want = verify_sampled_uniforms(t, p, uniforms[r].tolist())
+        got = out[r, : count[r]].tolist()
+        assert got == want.accepted, (r, got, want.accepted)
+        assert int(bonus[r]) == want.tokens[-1]
+        deep = max(deep, len(got))
+    assert deep >= 2, [verify_sampled_uniforms(t, p, uniforms[r].tolist()) for r, (t, p) in enumerate(zip(trees, probs))]
