@@ -49,73 +49,69 @@ def shift_left(x: torch.Tensor, d: int, fill=0) -> torch.Tensor:
 # ----------------------------------------------------------------------------- chunked torch path
 
 
+def _chunked_forward(ctx, h, w, chunk: int, denom: float, loss_and_dlogits, n_extra: int):
+    """Shared forward of the fused functions: per chunk of rows, ``loss_and_dlogits(start, logits)``
+    returns (summed loss, d loss / d logits); input and weight gradients accumulate right away, so one
+    chunk of logits is alive at a time. ``backward`` only scales them."""
+    grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
+    grad_w = torch.zeros_like(w, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for s in range(0, h.shape[0], chunk):
+        hc = h[s : s + chunk]
+        loss, g = loss_and_dlogits(s, (hc @ w.T).float())  # logits [chunk, V]
+        total += loss
+        g = g / denom
+        if grad_h is not None:
+            grad_h[s : s + chunk] = (g.to(w.dtype) @ w).to(h.dtype)
+        if grad_w is not None:
+            grad_w += g.T @ hc.float()
+    ctx.save_for_backward(grad_h if grad_h is not None else h.new_empty(0),
+                          grad_w if grad_w is not None else w.new_empty(0))
+    ctx.has = (grad_h is not None, grad_w is not None)
+    ctx.w_dtype = w.dtype
+    ctx.n_extra = n_extra
+    return total / denom
+
+
+def _chunked_backward(ctx, go):
+    grad_h, grad_w = ctx.saved_tensors
+    gh = grad_h * go if ctx.has[0] else None
+    gw = (grad_w * go).to(ctx.w_dtype) if ctx.has[1] else None
+    return (gh, gw) + (None,) * ctx.n_extra
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, labels, chunk: int):
-        # h [N, H], w [V, H], labels [N] with IGNORE_INDEX
+        # h [N, H], w [V, H], labels [N] with IGNORE_INDEX; mean CE over valid rows
         valid = labels != IGNORE_INDEX
-        denom = max(int(valid.sum()), 1)
-        grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(w, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for s in range(0, h.shape[0], chunk):
-            hc, lc, vc = h[s : s + chunk], labels[s : s + chunk], valid[s : s + chunk]
-            logits = (hc @ w.T).float()  # [chunk, V]
-            lse = torch.logsumexp(logits, -1)
-            picked = logits.gather(1, lc.clamp(min=0)[:, None])[:, 0]
-            total += ((lse - picked) * vc).sum()
-            g = torch.softmax(logits, -1)
-            g[torch.arange(len(lc), device=h.device), lc.clamp(min=0)] -= 1.0
-            g *= (vc.float() / denom)[:, None]
-            if grad_h is not None:
-                grad_h[s : s + chunk] = (g.to(w.dtype) @ w).to(h.dtype)
-            if grad_w is not None:
-                grad_w += g.T @ hc.float()
-        ctx.save_for_backward(grad_h if grad_h is not None else h.new_empty(0),
-                              grad_w if grad_w is not None else w.new_empty(0))
-        ctx.has = (grad_h is not None, grad_w is not None)
-        ctx.w_dtype = w.dtype
-        return total / denom
+        safe = labels.clamp(min=0)
 
-    @staticmethod
-    def backward(ctx, go):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * go if ctx.has[0] else None
-        gw = (grad_w * go).to(ctx.w_dtype) if ctx.has[1] else None
-        return gh, gw, None, None
+        def ce(s, logits):
+            lc, vc = safe[s : s + len(logits)], valid[s : s + len(logits)]
+            loss = ((torch.logsumexp(logits, -1) - logits.gather(1, lc[:, None])[:, 0]) * vc).sum()
+            g = torch.softmax(logits, -1)
+            g[torch.arange(len(lc), device=g.device), lc] -= 1.0
+            return loss, g * vc.float()[:, None]
+
+        return _chunked_forward(ctx, h, w, chunk, max(int(valid.sum()), 1), ce, n_extra=2)
+
+    backward = staticmethod(_chunked_backward)
 
 
 class _ChunkedLinearKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hs, ws, ht, wt, chunk: int):
         # student hs [N, H], ws [V, H]; teacher ht [N, Ht], wt [V, Ht]; mean over N of KL(p_t || q_s)
-        n = max(hs.shape[0], 1)
-        grad_h = torch.zeros_like(hs) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(ws, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        total = torch.zeros((), dtype=torch.float32, device=hs.device)
-        for s in range(0, hs.shape[0], chunk):
-            hc = hs[s : s + chunk]
-            log_q = torch.log_softmax((hc @ ws.T).float(), -1)  # [chunk, V]
-            log_p = torch.log_softmax((ht[s : s + chunk] @ wt.T).float(), -1)
+        def kl(s, logits):
+            log_q = torch.log_softmax(logits, -1)
+            log_p = torch.log_softmax((ht[s : s + len(logits)] @ wt.T).float(), -1)
             p = log_p.exp()
-            total += (p * (log_p - log_q)).sum()
-            g = (log_q.exp() - p) / n
-            if grad_h is not None:
-                grad_h[s : s + chunk] = (g.to(ws.dtype) @ ws).to(hs.dtype)
-            if grad_w is not None:
-                grad_w += g.T @ hc.float()
-        ctx.save_for_backward(grad_h if grad_h is not None else hs.new_empty(0),
-                              grad_w if grad_w is not None else ws.new_empty(0))
-        ctx.has = (grad_h is not None, grad_w is not None)
-        ctx.w_dtype = ws.dtype
-        return total / n
+            return (p * (log_p - log_q)).sum(), log_q.exp() - p
 
-    @staticmethod
-    def backward(ctx, go):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * go if ctx.has[0] else None
-        gw = (grad_w * go).to(ctx.w_dtype) if ctx.has[1] else None
-        return gh, gw, None, None, None
+        return _chunked_forward(ctx, hs, ws, chunk, max(hs.shape[0], 1), kl, n_extra=3)
+
+    backward = staticmethod(_chunked_backward)
 
 
 # ----------------------------------------------------------------------------- public ops
