@@ -31,7 +31,10 @@ def test_eval_on_spec_bench_and_gsm8k_fixtures(tiny_llama_dir, tmp_path, capsys)
 
 def test_bench_parts_on_tiny_target(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "bench"
-    assert main(["bench", "--target", str(tiny_llama_dir), "--only", "verify,proposers,batch", "--max-new-tokens", "6",
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "domain": "chat", "turns": ["Say hi to the fox."]}) + "\n")
+    assert main(["bench", "--target", str(tiny_llama_dir), "--prompts", str(prompts), "--only", "verify,proposers,batch",
+                 "--max-new-tokens", "6",
                  "--batch-tokens", "4", "--batches", "1,2", "--repeats", "1", "--limit-per-domain", "1",
                  "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())

@@ -124,11 +124,12 @@ def test_sampled_output_matches_target_distribution(vocab, sampled, params):
 
 def test_same_seed_same_output():
     params = SamplingParams(temperature=1.0)
-    target, draft = ToyLM(10, 3, 1.0, params), ToyLM(10, 4, 1.0, params)
     runs = []
     for _ in range(2):
+        target, draft = ToyLM(10, 3, 1.0, params), ToyLM(10, 4, 1.0, params)
         gen = torch.Generator().manual_seed(7)
         runs.append([_first_three(target, draft, 3, 2, True, gen) for _ in range(50)])
+    target, draft = ToyLM(10, 3, 1.0, params), ToyLM(10, 4, 1.0, params)
     assert runs[0] == runs[1]
     gen = torch.Generator().manual_seed(8)
     assert [_first_three(target, draft, 3, 2, True, gen) for _ in range(50)] != runs[0]
