@@ -4,12 +4,13 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Triton kernels run on CPU only under the interpreter, which must be chosen before triton is imported;
-# scripts/gpu_check.sh sets TRITON_INTERPRET=0 to run the same tests compiled on CUDA.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# Triton kernels run on CPU only under the interpreter, which must be chosen before triton is imported
+# (torch does not import it eagerly); with CUDA the same tests run compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
