@@ -83,7 +83,15 @@ def save_tiny_llama(out: str | Path, seed: int = 0, chat_template: bool = True, 
 
 def random_heads(model, seed: int = 0, draft_vocab_size: int = 64) -> dict:
     """Randomly initialised Medusa, EAGLE-1 and EAGLE-3 heads shaped for ``model``."""
-    from draftheads.heads import Eagle3Config, Eagle3Head, EagleConfig, EagleHead, LayerSpec, MedusaConfig, MedusaHeads
+    from draftheads.heads import (
+        Eagle3Config,
+        Eagle3Head,
+        EagleConfig,
+        EagleHead,
+        LayerSpec,
+        MedusaConfig,
+        MedusaHeads,
+    )
     from draftheads.heads.vocab import DraftVocab
 
     cfg = model.config.get_text_config()

@@ -19,7 +19,10 @@ CASES = {49152: 576, 128256: 576}  # vocab -> hidden size (SmolLM2 vocab, Llama-
 
 def _measure(kind: str, loss: str, vocab: int, hidden: int, tokens: int, device: str) -> dict:
     from draftheads.training.losses import (
-        linear_cross_entropy, linear_kl, plain_linear_cross_entropy, plain_linear_kl,
+        linear_cross_entropy,
+        linear_kl,
+        plain_linear_cross_entropy,
+        plain_linear_kl,
     )
 
     torch.manual_seed(0)

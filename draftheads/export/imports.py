@@ -27,7 +27,14 @@ from safetensors.torch import load_file
 
 from draftheads.errors import DraftheadsError
 from draftheads.heads import (
-    Eagle3Config, Eagle3Head, EagleConfig, EagleHead, LayerSpec, MedusaConfig, MedusaHeads, save_head,
+    Eagle3Config,
+    Eagle3Head,
+    EagleConfig,
+    EagleHead,
+    LayerSpec,
+    MedusaConfig,
+    MedusaHeads,
+    save_head,
 )
 
 SOURCES = ("medusa", "eagle", "eagle3", "speculators")

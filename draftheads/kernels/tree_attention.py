@@ -22,7 +22,7 @@ import triton.language as tl
 
 @triton.jit
 def _paged_tree_attn_kernel(
-    Q, K, V, O,  # Q/O [T, H, D]; K/V [num_blocks, block_size, KVH, D]
+    Q, K, V, OUT,  # Q/OUT [T, H, D]; K/V [num_blocks, block_size, KVH, D]
     TOKEN_ROW, ANC,  # [T] row of each query token; ANC [T, 2] int64 ancestor-or-self bits
     PREFIX, QLEN, BLOCK_TABLE,  # [R], [R], [R, max_blocks]
     scale,
@@ -66,7 +66,7 @@ def _paged_tree_attn_kernel(
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new
     out = acc / l_i
-    tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
+    tl.store(OUT + t * stride_ot + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
 
 
 def ancestor_words(tree_masks: list[torch.Tensor], device) -> torch.Tensor:

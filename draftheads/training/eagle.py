@@ -6,7 +6,14 @@ import logging
 
 import torch
 
-from draftheads.heads import Eagle3Config, Eagle3Head, EagleConfig, EagleHead, LayerSpec, default_aux_layer_ids
+from draftheads.heads import (
+    Eagle3Config,
+    Eagle3Head,
+    EagleConfig,
+    EagleHead,
+    LayerSpec,
+    default_aux_layer_ids,
+)
 from draftheads.heads.vocab import DraftVocab, build_draft_vocab
 from draftheads.targets import check_layer_ids
 from draftheads.training.data import doc_causal_mask

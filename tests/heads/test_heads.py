@@ -3,8 +3,16 @@ import torch
 
 from draftheads.errors import DraftheadsError
 from draftheads.heads import (
-    Eagle3Config, Eagle3Head, EagleConfig, EagleHead, LayerSpec, MedusaConfig, MedusaHeads, check_head_fits_target,
-    load_head, save_head,
+    Eagle3Config,
+    Eagle3Head,
+    EagleConfig,
+    EagleHead,
+    LayerSpec,
+    MedusaConfig,
+    MedusaHeads,
+    check_head_fits_target,
+    load_head,
+    save_head,
 )
 from draftheads.heads.vocab import DraftVocab, build_draft_vocab, token_counts
 

@@ -4,7 +4,14 @@ import pytest
 
 from draftheads.errors import DraftheadsError
 from draftheads.inference.tree import (
-    Tree, ancestor_mask, depths, expected_accept_length, greedy_shape, load_shape, position_ids, retrieve_paths,
+    Tree,
+    ancestor_mask,
+    depths,
+    expected_accept_length,
+    greedy_shape,
+    load_shape,
+    position_ids,
+    retrieve_paths,
     shape_from_paths,
 )
 

@@ -2,7 +2,11 @@ import pytest
 import torch
 
 from draftheads.inference.tree import ancestor_mask
-from draftheads.kernels.tree_attention import ancestor_words, paged_tree_attention_fwd, paged_tree_attention_ref
+from draftheads.kernels.tree_attention import (
+    ancestor_words,
+    paged_tree_attention_fwd,
+    paged_tree_attention_ref,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}

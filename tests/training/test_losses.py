@@ -3,8 +3,14 @@ import torch
 
 from draftheads.heads.medusa import MedusaConfig, MedusaHeads
 from draftheads.training.losses import (
-    IGNORE_INDEX, future_mask, linear_cross_entropy, linear_kl, medusa_loss, plain_linear_cross_entropy,
-    plain_linear_kl, shift_left,
+    IGNORE_INDEX,
+    future_mask,
+    linear_cross_entropy,
+    linear_kl,
+    medusa_loss,
+    plain_linear_cross_entropy,
+    plain_linear_kl,
+    shift_left,
 )
 
 

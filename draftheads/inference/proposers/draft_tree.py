@@ -13,7 +13,7 @@ reranked by cumulative log-probability and the best ``total_tokens - 1`` kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
