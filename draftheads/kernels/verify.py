@@ -19,13 +19,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _greedy_verify_kernel(TOKENS, PARENTS, ARGMAX, SIZES, OUT, COUNT, stride_row, MAX_NODES: tl.constexpr):
-    row = tl.program_id(0)
-    n = tl.load(SIZES + row)
+def _load_tree(TOKENS, PARENTS, SIZES, row, stride_row, MAX_NODES: tl.constexpr):
+    """One row's padded tree: (node offsets, valid mask, tokens, parents)."""
     offs = tl.arange(0, MAX_NODES)
-    valid = offs < n
+    valid = offs < tl.load(SIZES + row)
     tokens = tl.load(TOKENS + row * stride_row + offs, mask=valid, other=-1)
     parents = tl.load(PARENTS + row * stride_row + offs, mask=valid, other=-2)
+    return offs, valid, tokens, parents
+
+
+@triton.jit
+def _greedy_verify_kernel(TOKENS, PARENTS, ARGMAX, SIZES, OUT, COUNT, stride_row, MAX_NODES: tl.constexpr):
+    row = tl.program_id(0)
+    offs, valid, tokens, parents = _load_tree(TOKENS, PARENTS, SIZES, row, stride_row, MAX_NODES)
     cur = 0
     count = 0
     go = 1
@@ -83,12 +89,8 @@ def _sampled_verify_kernel(TOKENS, PARENTS, PROBS, STARTS, SIZES, UNIF, OUT, COU
     """Per row: at each node draw x by inverse CDF of the target's probabilities with the depth's
     uniform; follow the child carrying x, else x is the bonus token."""
     row = tl.program_id(0)
-    n = tl.load(SIZES + row)
     start = tl.load(STARTS + row)
-    offs = tl.arange(0, MAX_NODES)
-    valid = offs < n
-    tokens = tl.load(TOKENS + row * stride_row + offs, mask=valid, other=-1)
-    parents = tl.load(PARENTS + row * stride_row + offs, mask=valid, other=-2)
+    offs, valid, tokens, parents = _load_tree(TOKENS, PARENTS, SIZES, row, stride_row, MAX_NODES)
     cur = 0
     count = 0
     go = 1
