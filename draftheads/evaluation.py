@@ -9,7 +9,6 @@ intervals over prompts; at T = 0 every speculative output is compared with the p
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -209,6 +208,3 @@ def write_results(res: dict, out: str | os.PathLike) -> list[Path]:
     atomic_write_text(out / "results.md", markdown(res))
     return [out / "results.json", out / "results.md", *plots(res, out)]
 
-
-def dumps(res: dict) -> str:
-    return json.dumps(res, indent=2)

@@ -178,6 +178,3 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         )
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
-
-def first_turn_messages(prompt: Prompt) -> list[dict]:
-    return [{"role": "user", "content": prompt.turns[0]}]
