@@ -23,7 +23,7 @@ import torch
 
 from draftheads.errors import DraftheadsError
 from draftheads.evaluation import machine
-from draftheads.export.vllm import HEAD_OF_FORMAT, METHODS, export_head
+from draftheads.export.vllm import HEAD_OF_FORMAT, METHODS, export_head, vllm_loader_extra
 from draftheads.heads import load_head
 from draftheads.inference.build import make_proposer
 from draftheads.inference.engine import Engine
@@ -62,11 +62,19 @@ def run_vllm(python: str, target: Path, prompts: Path, n: int, out: Path, fmt: s
            "--max-tokens", str(n), "--out", str(out)]
     if fmt:
         cmd += ["--method", METHODS[fmt], "--draft", str(draft), "--k", str(k)]
+        extra = vllm_loader_extra(fmt, json.loads((Path(draft) / "config.json").read_text()))
+        if extra:
+            cmd += ["--loader-extra", json.dumps(extra)]
     # the same thread count as our engine (vLLM's CPU backend would otherwise keep one core for itself)
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads()), **os.environ}
     say(f"vllm: {fmt or 'plain'} ...")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0 and "Compiling model again due to a load failure" in proc.stdout:
+        # vLLM 0.32's torch.compile cache can fail to reload an entry and then crash recompiling: once more without it
+        say(f"vllm: {fmt or 'plain'}: compile-cache failure, retrying with VLLM_DISABLE_COMPILE_CACHE=1")
+        env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         log = out.with_suffix(".log")
         log.write_text(proc.stdout)
@@ -112,6 +120,8 @@ def main() -> int:
     p.add_argument("--limit-per-domain", type=int, default=1)
     p.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     p.add_argument("--out", default="runs/vllm-check")
+    p.add_argument("--update", action="store_true",
+                   help="keep the other formats already in OUT/results.json and re-measure only --formats")
     args = p.parse_args()
     out = Path(args.out)
     heads = {"eagle3": args.eagle3, "eagle": args.eagle, "medusa": args.medusa}
@@ -141,6 +151,8 @@ def main() -> int:
            "prompts": [q.id for q in prompts],
            "vllm_version": vplain["vllm_version"],
            "plain_outputs_equal_across_engines": f"{cross}/{len(ids)}", "formats": {}}
+    if args.update and (out / "results.json").is_file():
+        res["formats"] = json.loads((out / "results.json").read_text())["formats"]
     ours: dict[str, tuple[dict, dict]] = {}
     for fmt in formats:
         kind = HEAD_OF_FORMAT[fmt]
@@ -170,7 +182,7 @@ def main() -> int:
             "our_tok_s_plain": ours_plain["tok_s"], "our_tok_s_spec": best[1]["tok_s"], "our_best_tree": best[0],
             "our_tok_s_chain": chain["tok_s"], "our_tau_best_tree": best[1]["metrics"].tau,
             "vllm_counters": vspec["counters"], "vllm_engine_start_s": vspec["engine_start_s"],
-            "vllm_command": cmd,
+            "vllm_command": cmd, "measured_by": res["command"], "date": res["date"],
         }
         atomic_write_json(out / "results.json", res)  # after each format, so a failure keeps what was measured
     atomic_write_json(out / "results.json", res)

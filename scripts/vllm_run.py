@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--draft", default=None)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--loader-extra", default=None, help="json for model_loader_extra_config")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -46,7 +47,8 @@ def main() -> None:
         spec = {"method": args.method, "model": args.draft, "num_speculative_tokens": args.k}
     t0 = time.perf_counter()
     llm = LLM(model=args.target, tokenizer=args.target, dtype="float32", max_model_len=args.max_model_len,
-              seed=0, speculative_config=spec, disable_log_stats=False)
+              seed=0, speculative_config=spec, disable_log_stats=False,
+              model_loader_extra_config=json.loads(args.loader_extra) if args.loader_extra else {})
     start_s = time.perf_counter() - t0
     prompts = json.load(open(args.prompts))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=False)

@@ -260,9 +260,22 @@ def write_export(out: str | os.PathLike, fmt: str, config: dict, tensors: dict[s
     return Path(out)
 
 
+def vllm_loader_extra(fmt: str, config: dict) -> dict | None:
+    """``model_loader_extra_config`` vLLM needs for this export, if any. vLLM 0.32's Medusa loader
+    sets ``token_map`` without reporting it loaded, so its strict weight check must be off."""
+    if fmt == "vllm-medusa" and config.get("truncated_vocab_size"):
+        return {"enable_weights_track": False}
+    return None
+
+
 def vllm_command(target: str, export_dir: str | os.PathLike, fmt: str, k: int) -> str:
     spec = json.dumps({"method": METHODS[fmt], "model": str(export_dir), "num_speculative_tokens": k})
-    return f"vllm serve {target} --speculative-config '{spec}'"
+    cmd = f"vllm serve {target} --speculative-config '{spec}'"
+    config_file = Path(export_dir) / "config.json"
+    extra = vllm_loader_extra(fmt, json.loads(config_file.read_text())) if config_file.is_file() else None
+    if extra:
+        cmd += f" --model-loader-extra-config '{json.dumps(extra)}'"
+    return cmd
 
 
 def export_head(head, fmt: str, out: str | os.PathLike, verifier: str | None = None, k: int = 3,
