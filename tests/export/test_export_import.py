@@ -92,7 +92,8 @@ def test_exported_rope_theta_readable_by_older_transformers(heads, tiny_target, 
 
 
 def test_medusa_export_matches_what_vllm_032_loads(heads, tiny_target, tmp_path):
-    out, _ = export_head(heads["medusa_shared"], "vllm-medusa", tmp_path / "shared", target=tiny_target)
+    out, cmd = export_head(heads["medusa_shared"], "vllm-medusa", tmp_path / "shared", target=tiny_target)
+    assert """--model-loader-extra-config '{"enable_weights_track": false}'""" in cmd  # vLLM 0.32 token_map load
     cfg = json.loads((out / "config.json").read_text())
     w = load_file(str(out / "model.safetensors"))
     assert cfg["original_lm_head"] is True and cfg["truncated_vocab_size"] == 40
