@@ -167,6 +167,7 @@ def plots(res: dict, out: Path) -> list[Path]:
     for d in doms:
         a = res["domains"][d]["alpha"]
         ax.plot(range(1, len(a) + 1), a, marker="o", label=d)
+    ax.set_xticks(range(1, max((len(res["domains"][d]["alpha"]) for d in doms), default=1) + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("α (accepted / drafts reaching it)")
     ax.set_ylim(0, 1)

@@ -43,3 +43,15 @@ def test_bench_parts_on_tiny_target(tiny_llama_dir, tmp_path, capsys):
     assert res["proposers"]["plain"]["ratio_vs_plain"] == 1.0
     assert set(res["batch_sweep"]["ngram"]) == {"1", "2"}
     assert (out / "verify_curve.png").is_file() and (out / "batch_sweep.png").is_file()
+
+
+def test_loss_memory_measurement_sees_the_logits():
+    from draftheads.bench.loss_memory import run
+
+    tokens, vocab = 4096, 8192  # four chunks of the fused path
+    res = run(tokens=tokens, device="cpu", progress=lambda m: None, cases={vocab: 64})["vocab"][str(vocab)]
+    logits_mb = tokens * vocab * 4 / 2**20  # 128 MB of fp32 logits, which the plain loss must hold at least once
+    for loss in ("ce", "kl"):
+        assert res[f"{loss}_plain"]["peak_mb"] >= logits_mb, res
+        assert res[f"{loss}_fused"]["peak_mb"] < 0.5 * res[f"{loss}_plain"]["peak_mb"], res
+        assert abs(res[f"{loss}_plain"]["loss"] - res[f"{loss}_fused"]["loss"]) < 1e-3

@@ -1,12 +1,16 @@
 """Peak memory and time of the vocabulary loss, plain (materialised logits) vs fused/chunked.
 
-Each measurement runs in a fresh subprocess; peak memory is the growth of the process's peak RSS
-(CPU) or of ``torch.cuda.max_memory_allocated`` (CUDA) over the inputs already allocated.
+Each measurement runs in a fresh subprocess; peak memory is the peak over the inputs already
+allocated: ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the resident-set high-water mark
+(``VmHWM``, reset through ``/proc/self/clear_refs`` once the inputs exist) minus the resident set at
+that moment. glibc's mmap threshold is pinned so freed tensors leave the resident set instead of being
+reused silently (``ru_maxrss`` alone keeps the import-time peak and under-reads small losses).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -15,6 +19,31 @@ import time
 import torch
 
 CASES = {49152: 576, 128256: 576}  # vocab -> hidden size (SmolLM2 vocab, Llama-3 vocab; hidden kept small so CPU runs finish)
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_rss_peak() -> int:
+    """Current resident bytes, after resetting the kernel's high-water mark to it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_kb("VmRSS") * 1024
+    except OSError:  # no procfs: the lifetime peak (over-states the baseline)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rss_peak() -> int:
+    try:
+        return _status_kb("VmHWM") * 1024
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _measure(kind: str, loss: str, vocab: int, hidden: int, tokens: int, device: str) -> dict:
@@ -35,7 +64,7 @@ def _measure(kind: str, loss: str, vocab: int, hidden: int, tokens: int, device:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.max_memory_allocated()
     else:
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        base = _reset_rss_peak()
     t0 = time.perf_counter()
     if loss == "ce":
         out = plain_linear_cross_entropy(h, w, labels) if kind == "plain" else linear_cross_entropy(h, w, labels)
@@ -46,21 +75,26 @@ def _measure(kind: str, loss: str, vocab: int, hidden: int, tokens: int, device:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = _rss_peak()
     return {"peak_mb": (peak - base) / 2**20, "time_s": time.perf_counter() - t0, "loss": float(out)}
 
 
-def run(tokens: int = 4096, vocabs=tuple(CASES), device: str | None = None, progress=print) -> dict:
+def run(tokens: int = 4096, vocabs=tuple(CASES), device: str | None = None, progress=print,
+        cases: dict[int, int] | None = None) -> dict:
+    """``cases`` (vocab -> hidden) replaces ``vocabs``/``CASES`` when given."""
+    if cases:
+        vocabs = tuple(cases)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     results: dict = {"tokens": tokens, "device": device, "impl": "liger" if device == "cuda" else "chunked", "vocab": {}}
     for vocab in vocabs:
-        hidden = CASES.get(vocab, 4096)
+        hidden = (cases or CASES).get(vocab, 4096)
         row = {"hidden": hidden}
         for loss in ("ce", "kl"):
             for kind in ("plain", "fused"):
                 args = json.dumps([kind, loss, vocab, hidden, tokens, device])
                 code = f"import json; from draftheads.bench.loss_memory import _measure; print(json.dumps(_measure(*json.loads({args!r}))))"
-                r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+                env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}  # large tensors: mmap'd, unmapped on free
+                r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
                 row[f"{loss}_{kind}"] = json.loads(r.stdout.strip().splitlines()[-1])
                 progress(f"loss-memory V={vocab} {loss} {kind}: {row[f'{loss}_{kind}']['peak_mb']:.0f} MB")
             row[f"{loss}_ratio"] = row[f"{loss}_fused"]["peak_mb"] / max(row[f"{loss}_plain"]["peak_mb"], 1e-9)

@@ -115,7 +115,8 @@ def tables(res: dict) -> str:
     if "proposers" in res:
         lines += ["| method | tokens/s | vs plain | τ |", "|---|---|---|---|"]
         for m, v in res["proposers"].items():
-            lines.append(f"| {m} | {v['tokens_per_s']:.1f} | {v['ratio_vs_plain']:.2f}x | {v.get('tau', float('nan')):.2f} |")
+            tau = f"{v['tau']:.2f}" if "tau" in v else "-"
+            lines.append(f"| {m} | {v['tokens_per_s']:.1f} | {v['ratio_vs_plain']:.2f}x | {tau} |")
         lines.append("")
     if "batch_sweep" in res:
         bs = sorted({int(b) for v in res["batch_sweep"].values() for b in v})
@@ -124,9 +125,11 @@ def tables(res: dict) -> str:
             lines.append(f"| {name} | " + " | ".join(f"{v[b]:.2f}x" if b in v else "-" for b in bs) + " |")
         lines.append("")
     if "loss_memory" in res:
-        lines += ["| vocab | plain MB | fused MB | fused/plain |", "|---|---|---|---|"]
+        lines += ["| vocab | loss | plain MB | fused MB | fused/plain |", "|---|---|---|---|---|"]
         for v, row in res["loss_memory"].items():
-            lines.append(f"| {v} | {row['plain_mb']:.0f} | {row['fused_mb']:.0f} | {row['fused_mb'] / row['plain_mb']:.1%} |")
+            for loss in ("ce", "kl"):
+                p, f = row[f"{loss}_plain"]["peak_mb"], row[f"{loss}_fused"]["peak_mb"]
+                lines.append(f"| {v} | {loss} | {p:.0f} | {f:.0f} | {f / p:.1%} |")
     return "\n".join(lines) + "\n"
 
 

@@ -58,9 +58,10 @@ def _chunked_forward(ctx, h, w, chunk: int, denom: float, loss_and_dlogits, n_ex
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     for s in range(0, h.shape[0], chunk):
         hc = h[s : s + chunk]
-        loss, g = loss_and_dlogits(s, (hc @ w.T).float())  # logits [chunk, V]
+        logits = hc @ w.T
+        loss, g = loss_and_dlogits(s, logits if logits.dtype == torch.float32 else logits.float())  # [chunk, V]
         total += loss
-        g = g / denom
+        g = g.div_(denom)
         if grad_h is not None:
             grad_h[s : s + chunk] = (g.to(w.dtype) @ w).to(h.dtype)
         if grad_w is not None:
@@ -89,10 +90,11 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
         def ce(s, logits):
             lc, vc = safe[s : s + len(logits)], valid[s : s + len(logits)]
-            loss = ((torch.logsumexp(logits, -1) - logits.gather(1, lc[:, None])[:, 0]) * vc).sum()
-            g = torch.softmax(logits, -1)
+            lse = torch.logsumexp(logits, -1)
+            loss = ((lse - logits.gather(1, lc[:, None])[:, 0]) * vc).sum()
+            g = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits buffer
             g[torch.arange(len(lc), device=g.device), lc] -= 1.0
-            return loss, g * vc.float()[:, None]
+            return loss, g.mul_(vc.to(g.dtype)[:, None])
 
         return _chunked_forward(ctx, h, w, chunk, max(int(valid.sum()), 1), ce, n_extra=2)
 
@@ -104,10 +106,13 @@ class _ChunkedLinearKL(torch.autograd.Function):
     def forward(ctx, hs, ws, ht, wt, chunk: int):
         # student hs [N, H], ws [V, H]; teacher ht [N, Ht], wt [V, Ht]; mean over N of KL(p_t || q_s)
         def kl(s, logits):
-            log_q = torch.log_softmax(logits, -1)
-            log_p = torch.log_softmax((ht[s : s + len(logits)] @ wt.T).float(), -1)
+            # three chunk-sized buffers: student logits -> log q -> grad, teacher logits -> log p -> log p - log q, p
+            log_q = logits.sub_(torch.logsumexp(logits, -1, keepdim=True))
+            t = (ht[s : s + len(logits)] @ wt.T).float()
+            log_p = t.sub_(torch.logsumexp(t, -1, keepdim=True))
             p = log_p.exp()
-            return (p * (log_p - log_q)).sum(), log_q.exp() - p
+            loss = p.view(-1) @ log_p.sub_(log_q).view(-1)
+            return loss, log_q.exp_().sub_(p)
 
         return _chunked_forward(ctx, hs, ws, chunk, max(hs.shape[0], 1), kl, n_extra=3)
 
