@@ -31,7 +31,7 @@ def cmd_generate(args) -> int:
     from draftheads.inference.build import make_proposer
     from draftheads.inference.engine import Engine
     from draftheads.inference.sampling import SamplingParams
-    from draftheads.prompts import render_chat
+    from draftheads.prompts import encode_chat
     from draftheads.targets import load_target
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -39,8 +39,7 @@ def cmd_generate(args) -> int:
     target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     proposer = make_proposer(target, args.head, args.proposer, args.tree)
     tok = target.tokenizer
-    text = render_chat(tok, [{"role": "user", "content": args.prompt}], name=args.target)
-    ids = tok(text, add_special_tokens=False).input_ids
+    ids = encode_chat(tok, [{"role": "user", "content": args.prompt}], name=args.target)
     policy = switch = None
     if args.tree == "auto" and proposer:
         from draftheads.inference.build import make_policy
@@ -146,12 +145,13 @@ def cmd_export(args) -> int:
 
         target = load_target(args.verifier, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
         check_head_fits_target(head, target.info)
-    path, command = export_head(head, args.format, args.out, args.verifier, args.num_speculative_tokens, target)
+    serve = None
     if args.verifier:
-        from draftheads.export.vllm import vllm_command
         from draftheads.targets import resolve_target
 
-        command = vllm_command(str(resolve_target(args.verifier)), path, args.format, args.num_speculative_tokens)
+        serve = str(resolve_target(args.verifier))  # what vLLM loads (the cached safetensors dir for a GGUF)
+    path, command = export_head(head, args.format, args.out, args.verifier, args.num_speculative_tokens, target,
+                                serve_target=serve)
     print(f"wrote {args.format} to {path} (validated: key set, shapes, dtypes, config fields)")
     print(command)
     return 0
@@ -200,7 +200,7 @@ def cmd_bench(args) -> int:
     from draftheads import evaluation
     from draftheads.bench import speed
     from draftheads.inference.build import make_proposer
-    from draftheads.prompts import load_prompts, render_chat
+    from draftheads.prompts import encode_chat, load_prompts
     from draftheads.targets import load_target
     from draftheads.utils import atomic_write_json, atomic_write_text
 
@@ -215,7 +215,7 @@ def cmd_bench(args) -> int:
     if set(parts) - {"memory"}:
         target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
         tok = target.tokenizer
-        prompts = [tok(render_chat(tok, [{"role": "user", "content": p.turns[0]}]), add_special_tokens=False).input_ids
+        prompts = [encode_chat(tok, [{"role": "user", "content": p.turns[0]}], name=args.target)
                    for p in load_prompts(args.prompts, limit_per_domain=args.limit_per_domain)]
         proposers = {"ngram": make_proposer(target, proposer="ngram")}
         for name, head in (("medusa", args.medusa), ("eagle", args.eagle), ("eagle3", args.eagle3)):

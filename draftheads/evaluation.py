@@ -21,7 +21,7 @@ import torch
 from draftheads.inference.engine import Engine
 from draftheads.inference.metrics import SpecMetrics, mean_ci95
 from draftheads.inference.sampling import SamplingParams
-from draftheads.prompts import Prompt, render_chat
+from draftheads.prompts import Prompt, encode_chat
 from draftheads.utils import atomic_write_json, atomic_write_text
 
 
@@ -76,7 +76,7 @@ def evaluate(target, proposer, prompts: list[Prompt], params: SamplingParams, ba
             ids = []
             for p in batch:
                 histories[p.id].append({"role": "user", "content": p.turns[turn]})
-                ids.append(tok(render_chat(tok, histories[p.id], name=target.info.name), add_special_tokens=False).input_ids)
+                ids.append(encode_chat(tok, histories[p.id], name=target.info.name))
             order = [("spec", spec_engine), ("plain", plain_engine)] if flip else [("plain", plain_engine), ("spec", spec_engine)]
             flip = not flip
             outs = {}

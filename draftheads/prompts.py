@@ -178,3 +178,8 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         )
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
+
+def encode_chat(tokenizer, messages: list[dict], name: str = "target") -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template, ready for the assistant's turn."""
+    return tokenizer(render_chat(tokenizer, messages, name=name), add_special_tokens=False).input_ids
+

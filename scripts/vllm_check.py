@@ -29,7 +29,7 @@ from draftheads.inference.build import make_proposer
 from draftheads.inference.engine import Engine
 from draftheads.inference.metrics import SpecMetrics
 from draftheads.inference.sampling import SamplingParams
-from draftheads.prompts import load_prompts, render_chat
+from draftheads.prompts import encode_chat, load_prompts
 from draftheads.targets import DEFAULT_TARGET, load_target, resolve_target
 from draftheads.utils import atomic_dir, atomic_write_json, atomic_write_text
 
@@ -137,8 +137,7 @@ def main() -> int:
     tdir = vllm_target_dir(Path(resolve_target(args.target)), out / "target")
     tok = target.tokenizer
     prompts = load_prompts("bundled:eval", limit_per_domain=args.limit_per_domain)
-    ids = [tok(render_chat(tok, [{"role": "user", "content": q.turns[0]}], name=args.target),
-               add_special_tokens=False).input_ids for q in prompts]
+    ids = [encode_chat(tok, [{"role": "user", "content": q.turns[0]}], name=args.target) for q in prompts]
     prompt_file = out / "prompts.json"
     atomic_write_json(prompt_file, ids)
 

@@ -79,15 +79,11 @@ def _measure(kind: str, loss: str, vocab: int, hidden: int, tokens: int, device:
     return {"peak_mb": (peak - base) / 2**20, "time_s": time.perf_counter() - t0, "loss": float(out)}
 
 
-def run(tokens: int = 4096, vocabs=tuple(CASES), device: str | None = None, progress=print,
-        cases: dict[int, int] | None = None) -> dict:
-    """``cases`` (vocab -> hidden) replaces ``vocabs``/``CASES`` when given."""
-    if cases:
-        vocabs = tuple(cases)
+def run(tokens: int = 4096, device: str | None = None, progress=print, cases: dict[int, int] = CASES) -> dict:
+    """One row per ``cases`` entry (vocab -> hidden size)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     results: dict = {"tokens": tokens, "device": device, "impl": "liger" if device == "cuda" else "chunked", "vocab": {}}
-    for vocab in vocabs:
-        hidden = (cases or CASES).get(vocab, 4096)
+    for vocab, hidden in cases.items():
         row = {"hidden": hidden}
         for loss in ("ce", "kl"):
             for kind in ("plain", "fused"):

@@ -268,19 +268,19 @@ def vllm_loader_extra(fmt: str, config: dict) -> dict | None:
     return None
 
 
-def vllm_command(target: str, export_dir: str | os.PathLike, fmt: str, k: int) -> str:
+def vllm_command(target: str, export_dir: str | os.PathLike, fmt: str, k: int, config: dict) -> str:
     spec = json.dumps({"method": METHODS[fmt], "model": str(export_dir), "num_speculative_tokens": k})
     cmd = f"vllm serve {target} --speculative-config '{spec}'"
-    config_file = Path(export_dir) / "config.json"
-    extra = vllm_loader_extra(fmt, json.loads(config_file.read_text())) if config_file.is_file() else None
+    extra = vllm_loader_extra(fmt, config)
     if extra:
         cmd += f" --model-loader-extra-config '{json.dumps(extra)}'"
     return cmd
 
 
 def export_head(head, fmt: str, out: str | os.PathLike, verifier: str | None = None, k: int = 3,
-                target=None) -> tuple[Path, str]:
-    """Write ``head`` in ``fmt``; ``target`` (a loaded Target) supplies shared weights when needed."""
+                target=None, serve_target: str | None = None) -> tuple[Path, str]:
+    """Write ``head`` in ``fmt``; ``target`` (a loaded Target) supplies shared weights when needed.
+    Returns the path and the ``vllm serve`` command for ``serve_target`` (default: ``verifier``)."""
     if fmt not in FORMATS:
         raise DraftheadsError(f"--format {fmt!r} is unknown: use one of {', '.join(FORMATS)}")
     if HEAD_OF_FORMAT[fmt] != head.head_type:
@@ -304,4 +304,4 @@ def export_head(head, fmt: str, out: str | os.PathLike, verifier: str | None = N
         tensors = eagle3_tensors(head)
         tensors["embed_tokens.weight"] = target.model.get_input_embeddings().weight
     path = write_export(out, fmt, config, tensors)
-    return path, vllm_command(verifier or "TARGET", path, fmt, k)
+    return path, vllm_command(serve_target or verifier or "TARGET", path, fmt, k, config)

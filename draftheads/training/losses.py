@@ -58,8 +58,7 @@ def _chunked_forward(ctx, h, w, chunk: int, denom: float, loss_and_dlogits, n_ex
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     for s in range(0, h.shape[0], chunk):
         hc = h[s : s + chunk]
-        logits = hc @ w.T
-        loss, g = loss_and_dlogits(s, logits if logits.dtype == torch.float32 else logits.float())  # [chunk, V]
+        loss, g = loss_and_dlogits(s, (hc @ w.T).float())  # logits [chunk, V]; .float() copies only low precision
         total += loss
         g = g.div_(denom)
         if grad_h is not None:
