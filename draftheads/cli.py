@@ -71,10 +71,34 @@ def cmd_distill(args) -> int:
     from draftheads.targets import load_target
     from draftheads.training.distill import distill
 
-    prompts = load_prompts(args.prompts, domains=args.domains, limit_per_domain=args.limit_per_domain)
+    prompts = [p for f in args.prompts for p in load_prompts(f, domains=args.domains,
+                                                               limit_per_domain=args.limit_per_domain)]
     target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    torch_threads(args)
+    layers = feature_layers(args.features, target.info.num_layers) if args.features else None
     out = distill(target, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size, args.seed,
-                  progress=lambda m: print(m, file=sys.stderr, flush=True))
+                  top_p=args.top_p, max_seq_len=args.max_seq_len, features=layers, feature_dir=args.feature_dir,
+                  val_fraction=args.val_fraction, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(out)
+    return 0
+
+
+def cmd_synthesize(args) -> int:
+    from draftheads.targets import load_target
+    from draftheads.training.synthesize import SynthConfig, synthesize
+
+    cfg = SynthConfig(num_prompts=args.num_prompts, domains=tuple(args.domains), multi_turn=args.multi_turn,
+                      temperature=args.temperature, top_p=args.top_p, max_prompt_tokens=args.max_prompt_tokens,
+                      batch_size=args.batch_size, dedup_threshold=args.dedup_threshold, seed=args.seed)
+    target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    torch_threads(args)
+    out = synthesize(target, args.out, cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    stats = json.loads(out.with_name(out.name + ".stats.json").read_text())
+    print("| domain | kept | candidates | near-dup rate | distinct-1 | distinct-2 | distinct-3 | multi-turn |")
+    print("|---|---|---|---|---|---|---|---|")
+    for d, s in stats["domains"].items():
+        print(f"| {d} | {s['kept']} | {s['candidates']} | {s['near_dup_rate']:.3f} | {s['distinct_1']:.3f} | "
+              f"{s['distinct_2']:.3f} | {s['distinct_3']:.3f} | {s['multi_turn']} |")
     print(out)
     return 0
 
@@ -280,17 +304,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-plain", action="store_true", help="also run plain decoding and report the speedup")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("distill", help="regenerate answers with the target (self-distillation data)")
+    p = sub.add_parser("distill", help="the target answers prompts itself (self-distillation data), batched")
     _add_target_args(p)
-    p.add_argument("--prompts", required=True, help="prompt file, or bundled:train / bundled:eval")
-    p.add_argument("--out", required=True)
+    p.add_argument("--prompts", nargs="+", required=True, help="prompt files, or bundled:train / bundled:eval")
+    p.add_argument("--out", required=True, help="jsonl of conversations (turns, answers, truncated)")
     p.add_argument("--domains", nargs="*", default=None)
     p.add_argument("--limit-per-domain", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per answer; longer answers are marked truncated")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="tokens per conversation, prompts included (default: the target's context, at most 2048)")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=32, help="rows generated together (refilled as they finish)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--features", default=None,
+                   help="also keep hidden states of the generation pass: eagle3 | eagle | medusa | comma list of ids")
+    p.add_argument("--feature-dir", default=None, help="feature cache for train-head --data.feature_dir")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="prompts held out as the cache's val split")
+    p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=cmd_distill)
+
+    from draftheads.training.synthesize import SYNTH_DOMAINS
+
+    p = sub.add_parser("synthesize", help="prompts written by the target itself (Magpie), deduplicated, per domain")
+    _add_target_args(p)
+    p.add_argument("--out", required=True, help="prompt jsonl ({id, domain, turns}), for distill --prompts")
+    p.add_argument("--num-prompts", type=int, default=600, help="prompts to keep, shared equally by the domains")
+    p.add_argument("--domains", nargs="+", default=list(SYNTH_DOMAINS))
+    p.add_argument("--multi-turn", type=float, default=0.15, help="fraction of prompts given a follow-up turn")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--max-prompt-tokens", type=int, default=160)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--dedup-threshold", type=float, default=0.7, help="MinHash Jaccard above which prompts are near duplicates")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_synthesize)
 
     p = sub.add_parser("cache-features", help="write target hidden states for offline training")
     _add_target_args(p)

@@ -43,7 +43,7 @@ SPEC_BENCH_GROUP_TO_DOMAIN = {
 }
 
 _FORMS = {
-    "project": ({"id", "domain", "turns"}, {"reference", "answers"}),
+    "project": ({"id", "domain", "turns"}, {"reference", "answers", "truncated", "source"}),
     "spec_bench": ({"question_id", "category", "turns"}, {"reference"}),
     "gsm8k": ({"question", "answer"}, set()),
     "humaneval": ({"task_id", "prompt"}, {"canonical_solution", "test", "entry_point"}),

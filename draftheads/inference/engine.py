@@ -15,7 +15,7 @@ from draftheads.inference.attention import PagedStep, StepCache, cache_argument,
 from draftheads.inference.kv_cache import PagedKVCache
 from draftheads.inference.metrics import SpecMetrics
 from draftheads.inference.proposers.base import Proposer, RequestState
-from draftheads.inference.sampling import SamplingParams, target_probs
+from draftheads.inference.sampling import SamplingParams, sample_next, target_probs
 from draftheads.inference.tree import Tree, ancestor_mask, depths
 from draftheads.inference.verify import VerifyResult, verify_greedy, verify_sampled
 from draftheads.targets import capture_hidden_states, decoder_parts
@@ -77,7 +77,7 @@ class Engine:
 
     # ------------------------------------------------------------------ forward
 
-    def _forward(self, cache: PagedKVCache, states, trees: list[Tree], layer_ids, keep: list[int] | None = None):
+    def forward(self, cache: PagedKVCache, states, trees: list[Tree], layer_ids, keep: list[int] | None = None):
         """One target forward over every row's tree; returns (logits [total_q or len(keep), V],
         hidden {id: [total_q, H]}). ``keep``: flattened query indices whose logits are needed."""
         ids, pos, write, row_slots, masks, starts, prefix = [], [], [], [], [], [0], []
@@ -128,11 +128,6 @@ class Engine:
         if len(st.generated) >= st.params.max_new_tokens:
             st.done = True
 
-    def _first_token(self, st: RequestState, logits: torch.Tensor) -> int:
-        if st.params.greedy:
-            return int(logits.argmax())
-        return int(torch.multinomial(target_probs(logits, st.params), 1, generator=st.generator).item())
-
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  progress=None) -> list[GenerationOutput]:
         """Generate for a batch of tokenised prompts (different lengths allowed)."""
@@ -157,12 +152,12 @@ class Engine:
         # prefill: each prompt is a chain; all committed; the first token comes from the last position
         trees = [Tree(list(st.tokens), [-1] + list(range(len(st.tokens) - 1))) for st in states]
         ends = list(itertools.accumulate(len(t) for t in trees))
-        logits, hidden = self._forward(cache, states, trees, layer_ids, keep=[e - 1 for e in ends])
+        logits, hidden = self.forward(cache, states, trees, layer_ids, keep=[e - 1 for e in ends])
         off = 0
         for row, st in enumerate(states):
             n = len(st.tokens)
             cache.truncate(st.rid, n)
-            first = self._first_token(st, logits[row])
+            first = sample_next(logits[row], st.params, st.generator)
             self._emit(st, [first])
             if self.proposer:
                 self.proposer.start(st, {i: h[off: off + n] for i, h in hidden.items()})
@@ -179,7 +174,7 @@ class Engine:
                 if self.switch:
                     self.switch.maybe_probe(st, step)
             trees = [self._propose(st, plain=arm is None) for st in live]
-            logits, hidden = self._forward(cache, live, trees, layer_ids)
+            logits, hidden = self.forward(cache, live, trees, layer_ids)
             before = {st.rid: len(st.tokens) for st in live}
             fused = self._verify_fused(live, trees, logits)
             off = 0

@@ -38,7 +38,7 @@ def verify_curve(model, ks=DEFAULT_KS, prefix: int = 256, repeats: int = 5, batc
             states.append(st)
             cache.add(r)
             pre_trees.append(Tree(toks[:-1], chain_parents(prefix - 1)))
-        engine._forward(cache, states, pre_trees, ())
+        engine.forward(cache, states, pre_trees, ())
         for st in states:
             cache.truncate(st.rid, prefix)
         times = []
@@ -46,7 +46,7 @@ def verify_curve(model, ks=DEFAULT_KS, prefix: int = 256, repeats: int = 5, batc
             trees = [Tree([st.root] + torch.randint(vocab, (k - 1,), generator=gen).tolist(), chain_parents(k - 1))
                      for st in states]
             t0 = time.perf_counter()
-            engine._forward(cache, states, trees, ())
+            engine.forward(cache, states, trees, ())
             if engine.device.type == "cuda":
                 torch.cuda.synchronize()
             if rep:  # the first repeat warms up

@@ -50,3 +50,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from ``logits`` [V]: the argmax when greedy, else a draw under ``params``."""
+    if params.greedy:
+        return int(logits.argmax())
+    return int(torch.multinomial(target_probs(logits, params), 1, generator=generator).item())

@@ -65,9 +65,14 @@ def record_to_messages(obj: dict, where: str) -> list[dict] | str:
                 f"{where}: prompt record {obj.get('id')!r} has no 'answers': generate them with "
                 "`draftheads distill --prompts FILE --out FILE` and train on its output"
             )
+        cut = obj.get("truncated") or [False] * len(answers)
+        if any(cut[:-1]):
+            raise DraftheadsError(
+                f"{where}: only the last answer may be truncated (a conversation stops at a truncated answer)"
+            )
         out = []
-        for q, a in zip(obj["turns"], answers):
-            out += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        for q, a, c in zip(obj["turns"], answers, cut):
+            out += [{"role": "user", "content": q}, {"role": "assistant", "content": a, **({"truncated": True} if c else {})}]
         return out
     if "text" in obj:
         if not isinstance(obj["text"], str):
@@ -104,24 +109,33 @@ def has_generation_tags(tokenizer) -> bool:
 
 
 def tokenize_conversation(tokenizer, messages, use_generation_tags: bool | None = None) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) for one conversation or plain text."""
+    """(input_ids, loss_mask) for one conversation or plain text. A last assistant message marked
+    ``truncated`` ends after its content: no end-of-turn token is added that the target did not write."""
     if isinstance(messages, str):
         ids = tokenizer(messages, add_special_tokens=True).input_ids
         return ids, [1] * len(ids)
+    cut = bool(messages) and messages[-1].get("truncated", False)
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     if use_generation_tags is None:
         use_generation_tags = has_generation_tags(tokenizer)
-    if use_generation_tags:
+    if use_generation_tags and not cut:
         enc = tokenizer.apply_chat_template(
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
         return list(enc["input_ids"]), list(enc["assistant_masks"])
-    full = render_chat(tokenizer, messages, add_generation_prompt=False)
+    if cut:
+        full = render_chat(tokenizer, messages[:-1], add_generation_prompt=True) + messages[-1]["content"]
+    else:
+        full = render_chat(tokenizer, messages, add_generation_prompt=False)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         prefix = render_chat(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
-        upto = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False).rstrip()
+        if cut and i == len(messages) - 1:
+            upto = full
+        else:
+            upto = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False).rstrip()
         if not full.startswith(prefix) or not full.startswith(upto):
             raise DraftheadsError(
                 "the chat template renders earlier turns differently once later turns are added, so the "
@@ -235,7 +249,7 @@ def build_dataset(
         "files": [file_sha256(f) if os.path.isfile(f) else str(f) for f in files],
         "tok": tokenizer_key or getattr(tokenizer, "name_or_path", ""), "vocab": len(tokenizer),
         "tpl": hashlib.sha256((getattr(tokenizer, "chat_template", "") or "").encode()).hexdigest(),
-        "max_length": max_length, "packed": packed, "val": val_fraction, "seed": seed, "v": 1,
+        "max_length": max_length, "packed": packed, "val": val_fraction, "seed": seed, "v": 2,
     }, sort_keys=True)
     key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
     where = cache_dir() / "data" / key

@@ -66,8 +66,8 @@ class ChatDataModule(L.LightningDataModule):
         if self.train_set is not None:
             return
         if self.hparams.feature_dir:
-            self.train_set = FeatureDataset(self.hparams.feature_dir, "train")
-            self.val_set = FeatureDataset(self.hparams.feature_dir, "val")
+            self.train_set = FeatureDataset(self.hparams.feature_dir, "train", target=self.hparams.target)
+            self.val_set = FeatureDataset(self.hparams.feature_dir, "val", target=self.hparams.target)
             self._collate = collate_features
         else:
             train, val, self.stats = self._build()

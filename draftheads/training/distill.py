@@ -1,12 +1,23 @@
-"""Self-distillation: regenerate answers with the target itself (the recommended data for heads).
+"""Self-distillation: the target answers the prompts itself, through the engine's continuous batching.
 
-Writes ``{"id", "domain", "turns", "answers"}`` lines. Multi-turn prompts feed the target's own
-earlier answers back. Progress goes to ``OUT.partial`` (resumed on restart) and is renamed to ``OUT``
-when complete.
+Writes ``{"id", "domain", "turns", "answers", "truncated"}`` lines to ``OUT``. A multi-turn prompt is one
+request: after the target ends an answer, the template tokens of the next user turn are appended and it
+goes on, so later turns see the target's own earlier answers. An answer cut at ``max_new_tokens`` (or
+at ``max_seq_len``) is marked truncated, and the conversation stops there: it is never closed with an
+end-of-turn token the target did not write.
+
+With ``features`` (HF hidden-state ids), the hidden states of the generation pass itself go to a
+feature cache (:class:`~draftheads.training.features.FeatureShardWriter`), split into train/val by prompt
+id, which ``train-head --data.feature_dir`` reads unchanged.
+
+Progress goes to ``OUT.partial`` (plus ``OUT.partial.json``, the settings) and to the feature cache's
+shards; a rerun of the same command resumes after the last committed shard, and ``OUT.partial`` is
+renamed to ``OUT`` when everything is written.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -15,70 +26,172 @@ from pathlib import Path
 import torch
 
 from draftheads.errors import DraftheadsError
-from draftheads.prompts import Prompt, render_chat
+from draftheads.inference.batching import ContinuousBatcher, Conversation, Finished
+from draftheads.inference.engine import Engine
+from draftheads.inference.sampling import SamplingParams
+from draftheads.prompts import Prompt, encode_chat, render_chat
+from draftheads.targets import check_layer_ids
+from draftheads.utils import atomic_write_json, atomic_write_text
+
+_SENTINEL = "\u2063draftheads-answer\u2063"
 
 
-@torch.no_grad()
-def generate_batch(model, tokenizer, texts: list[str], max_new_tokens: int, temperature: float, seed: int) -> list[str]:
-    """Batched HF generation with left padding; returns the decoded continuations."""
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    try:
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    finally:
-        tokenizer.padding_side = side
-    torch.manual_seed(seed)
-    out = model.generate(
-        **enc.to(model.device), max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return [tokenizer.decode(row[enc.input_ids.shape[1]:], skip_special_tokens=True).strip() for row in out]
+def turn_segments(tokenizer, turns, eos_ids, name: str = "target") -> list[list[int]]:
+    """Token ids of the first prompt, then of the template text that follows the end-of-turn token of
+    each answer up to the next assistant turn (found by rendering a sentinel answer)."""
+    segs = [encode_chat(tokenizer, [{"role": "user", "content": turns[0]}], name=name)]
+    if len(turns) == 1:
+        return segs
+    closers = [tokenizer.decode([e]) for e in eos_ids]
+    for k in range(1, len(turns)):
+        msgs = []
+        for q in turns[:k]:
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": _SENTINEL}]
+        msgs.append({"role": "user", "content": turns[k]})
+        text = render_chat(tokenizer, msgs, name=name)
+        found = [(text.rfind(_SENTINEL + c), c) for c in closers if c and _SENTINEL + c in text]
+        if not found:
+            raise DraftheadsError(
+                f"the chat template of {name} does not close an assistant turn with its end-of-turn token, "
+                "so later turns cannot follow the target's own answers: give single-turn prompts"
+            )
+        at, closer = max(found)
+        segs.append(tokenizer(text[at + len(_SENTINEL + closer):], add_special_tokens=False).input_ids)
+    return segs
+
+
+def _stable_int(text: str) -> int:
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:4], "little")
+
+
+def split_of(prompt_id: str, val_fraction: float, seed: int) -> str:
+    """``val`` for a stable ``val_fraction`` of prompt ids, else ``train``."""
+    return "val" if _stable_int(f"{seed}:{prompt_id}") % 100_000 < val_fraction * 100_000 else "train"
+
+
+def _prompts_digest(prompts: list[Prompt]) -> str:
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(json.dumps([p.id, p.domain, list(p.turns)]).encode())
+    return h.hexdigest()[:16]
+
+
+def _read_partial(path: Path) -> list[dict]:
+    """Records of ``path``; a torn last line (a crash mid-write) is dropped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
 
 
 def distill(
     target, prompts: list[Prompt], out: str | os.PathLike, max_new_tokens: int = 256, temperature: float = 0.0,
-    batch_size: int = 8, seed: int = 0, progress=print,
+    batch_size: int = 32, seed: int = 0, top_p: float = 1.0, max_seq_len: int | None = None,
+    features=None, feature_dir: str | os.PathLike | None = None, val_fraction: float = 0.05,
+    shard_rows: int = 64, feature_dtype=torch.bfloat16, progress=print,
 ) -> Path:
-    if temperature < 0:
-        raise DraftheadsError(f"--temperature {temperature} must be >= 0")
-    if max_new_tokens < 1 or batch_size < 1:
-        raise DraftheadsError("--max-new-tokens and --batch-size must be >= 1")
+    """Answer ``prompts`` with the target; returns ``out``. See the module docstring."""
+    SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)  # validates
+    if batch_size < 1:
+        raise DraftheadsError(f"--batch-size {batch_size} must be >= 1")
+    if not prompts:
+        raise DraftheadsError("no prompts to distill: check --prompts and --domains")
+    ids = [p.id for p in prompts]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise DraftheadsError(f"prompt id {dup!r} appears more than once: give every prompt its own id")
+    if (features is None) != (feature_dir is None):
+        raise DraftheadsError("--features and --feature-dir go together: give both, or neither")
     out = Path(out)
+    if out.exists():
+        raise DraftheadsError(f"--out {str(out)!r} already exists: remove it, or choose another path")
+    info, tok = target.info, target.tokenizer
+    layers = check_layer_ids(features, info.num_layers, "--features") if features is not None else ()
+    if features is not None and not layers:
+        raise DraftheadsError("--features names no layer: give ids like 2,15,27,30, or eagle3")
+    engine = Engine(target.model, tok)
+    batcher = ContinuousBatcher(engine, batch_size, max_seq_len, capture=layers, feature_dtype=feature_dtype)
+    max_seq_len = batcher.max_seq_len
+    settings = {"target": info.name, "prompts": _prompts_digest(prompts), "max_new_tokens": max_new_tokens,
+                "temperature": temperature, "top_p": top_p, "seed": seed, "max_seq_len": max_seq_len,
+                "dtype": str(info.dtype).replace("torch.", ""), "val_fraction": val_fraction}
     partial = out.with_name(out.name + ".partial")
-    done = {}
-    if partial.is_file():
-        for line in partial.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                done[rec["id"]] = rec
-    todo = [p for p in prompts if p.id not in done]
+    meta = out.with_name(out.name + ".partial.json")
+    if meta.is_file():
+        old = json.loads(meta.read_text())
+        if old != settings:
+            diff = sorted(k for k in settings if old.get(k) != settings[k])
+            raise DraftheadsError(
+                f"{partial} was started with other settings ({', '.join(diff)}): rerun with the same settings "
+                "to resume, or delete it to start over"
+            )
     out.parent.mkdir(parents=True, exist_ok=True)
-    t0, n_tokens = time.perf_counter(), 0
-    tok = target.tokenizer
+    atomic_write_json(meta, settings)
+
+    writer = None
+    if layers:
+        from draftheads.training.features import FeatureShardWriter
+
+        writer = FeatureShardWriter(feature_dir, info.name, layers, info.hidden_size, max_seq_len, shard_rows,
+                                    feature_dtype, settings)
+        done = writer.done_keys
+        kept = [r for r in _read_partial(partial) if r["id"] in done]
+    else:
+        kept = _read_partial(partial)
+        done = {r["id"] for r in kept}
+    atomic_write_text(partial, "".join(json.dumps(r) + "\n" for r in kept))
+
+    by_id = {p.id: p for p in prompts}
+    todo = [p for p in prompts if p.id not in done]
+
+    def conversations():
+        for p in todo:
+            segs = turn_segments(tok, p.turns, sorted(engine.eos), info.name)
+            sp = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                                seed=(seed + _stable_int(p.id)) % (1 << 31))
+            yield Conversation(p.id, segs, sp)
+
+    waiting: dict[str, dict] = {}
+    t0, last_note, n_done = time.perf_counter(), 0.0, len(done)
     with partial.open("a", encoding="utf-8") as f:
-        for s in range(0, len(todo), batch_size):
-            batch = todo[s : s + batch_size]
-            answers: list[list[str]] = [[] for _ in batch]
-            for turn in range(max(len(p.turns) for p in batch)):
-                live = [i for i, p in enumerate(batch) if turn < len(p.turns)]
-                texts = []
-                for i in live:
-                    msgs = []
-                    for q, a in zip(batch[i].turns[:turn], answers[i]):
-                        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-                    msgs.append({"role": "user", "content": batch[i].turns[turn]})
-                    texts.append(render_chat(tok, msgs, name=target.info.name))
-                outs = generate_batch(target.model, tok, texts, max_new_tokens, temperature, seed + s + turn)
-                for i, a in zip(live, outs):
-                    answers[i].append(a)
-                    n_tokens += len(tok(a, add_special_tokens=False).input_ids)
-            for p, a in zip(batch, answers):
-                f.write(json.dumps({"id": p.id, "domain": p.domain, "turns": list(p.turns), "answers": a}) + "\n")
+
+        def write(keys):
+            for k in keys:
+                f.write(json.dumps(waiting.pop(k)) + "\n")
             f.flush()
-            dt = time.perf_counter() - t0
-            progress(f"distill: {len(done) + s + len(batch)}/{len(prompts)} prompts, {n_tokens / dt:.1f} tok/s")
+            os.fsync(f.fileno())
+
+        for fin in batcher.run(conversations()):
+            waiting[fin.key] = _record(by_id[fin.key], fin, tok)
+            n_done += 1
+            if writer is not None:
+                writer.add(split_of(fin.key, val_fraction, seed), fin.key, fin.token_ids, fin.loss_mask,
+                           fin.features, fin.target_argmax)
+                writer.commit(before_index=write)
+            elif len(waiting) >= batch_size:
+                write(list(waiting))
+            now = time.perf_counter()
+            if now - last_note > 10:
+                last_note = now
+                progress(f"distill: {n_done}/{len(prompts)} prompts, {batcher.tokens_generated} new tokens, "
+                         f"{batcher.tokens_generated / (now - t0):.1f} tok/s")
+        if writer is not None:
+            writer.commit(final=True, before_index=write)
+        write(list(waiting))
+    dt = time.perf_counter() - t0
+    progress(f"distill: {len(prompts)} prompts done; {batcher.tokens_generated} new tokens in {dt:.0f} s "
+             f"({batcher.tokens_generated / max(dt, 1e-9):.1f} tok/s, batch {batch_size})")
     os.replace(partial, out)
+    meta.unlink()
     return out
+
+
+def _record(p: Prompt, fin: Finished, tokenizer) -> dict:
+    answers = [tokenizer.decode(a, skip_special_tokens=True) for a in fin.answers]
+    return {"id": p.id, "domain": p.domain, "turns": list(p.turns[: len(answers)]), "answers": answers,
+            "truncated": fin.truncated}

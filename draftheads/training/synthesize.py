@@ -1,0 +1,372 @@
+"""Prompts written by the target itself, for targets without a dataset (Magpie, arXiv 2406.08464).
+
+An aligned chat model sampled right after its template's user prefix writes a user request. Each
+domain steers it with an opening of the request (the project's own text, below); summarization and
+translation prompts wrap a passage the target wrote itself in an instruction; a fraction of prompts
+gets a follow-up turn the target writes after its own answer.
+
+Candidates are filtered (finished, length, looks like a request), deduplicated exactly and by MinHash
+LSH (``datasketch``) against everything kept so far, and appended to ``OUT.partial`` one round at a
+time, so a rerun of the same command resumes. The output is the project's prompt jsonl
+(``{"id", "domain", "turns"}``), plus ``OUT.stats.json`` with per-domain counts, rejection reasons and
+diversity (distinct n-grams, near-duplicate rate).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftheads.errors import DraftheadsError
+from draftheads.inference.batching import ContinuousBatcher, Conversation
+from draftheads.inference.engine import Engine
+from draftheads.inference.sampling import SamplingParams
+from draftheads.prompts import render_chat
+from draftheads.utils import atomic_write_json, atomic_write_text
+
+# Openings of the user turn per domain ("" = unsteered). Passage requests feed summarization and
+# translation, whose prompts wrap the target's own passage in an instruction.
+OPENERS = {
+    "chat": ["", "", "Can you", "I need some advice", "What do you think", "Help me", "I'm trying to", "Tell me",
+             "Write a short story", "Give me some ideas", "Write an email", "Write a poem"],
+    "code": ["Write a Python function", "How do I", "Write a JavaScript function", "Explain what this code does",
+             "What is the difference between", "Write a SQL query", "How can I fix", "Implement a",
+             "Write a Python program", "What does this Python code", "Write a bash script", "Can you explain how"],
+    "math": ["Solve", "A store sells", "If a train", "Calculate", "What is the sum of", "John has", "Find the value of",
+             "A rectangle has", "Sarah bought", "How many", "What is 15% of", "A recipe calls for"],
+    "qa": ["What is", "Who was", "Why do", "How does", "When did", "Where is", "What are the main", "Why is",
+           "What causes", "How did", "Which", "What happens when"],
+}
+PASSAGE_OPENERS = ["Write a short article about", "Write a paragraph about", "Describe", "Write a short essay on",
+                   "Write a news story about", "Explain in a few paragraphs"]
+SUMMARY_TEMPLATES = [
+    "Summarize the following text in two sentences.\n\n{p}",
+    "{p}\n\nSummarize the passage above.",
+    "Give a one-sentence summary of this text:\n\n{p}",
+    "What is the main point of the following passage?\n\n{p}",
+    "Summarize this article in a few bullet points:\n\n{p}",
+    "{p}\n\nWrite a short summary of the text above for a busy reader.",
+]
+TRANSLATION_TEMPLATES = [
+    "Translate the following sentence into {lang}: {s}",
+    "Translate into {lang}:\n\n{s}",
+    "How do you say this in {lang}? \"{s}\"",
+    "Please translate this text to {lang}.\n\n{s}",
+]
+LANGUAGES = ["French", "Spanish", "German", "Italian", "Portuguese", "Chinese", "Japanese", "Russian"]
+MULTI_TURN_DOMAINS = ("chat", "code", "qa", "math")
+SYNTH_DOMAINS = ("chat", "code", "math", "summarization", "translation", "qa")
+
+_REQUEST_STARTS = {
+    "write", "explain", "describe", "how", "what", "why", "who", "when", "where", "which", "can", "could", "would",
+    "should", "is", "are", "do", "does", "did", "give", "list", "create", "tell", "help", "make", "find", "solve",
+    "calculate", "compute", "implement", "translate", "summarize", "compare", "suggest", "i", "i'm", "please",
+    "generate", "design", "provide", "name", "show", "fix", "convert", "if", "a", "an", "john", "sarah", "let's",
+    "imagine", "discuss", "analyze", "rewrite", "edit", "recommend", "define", "determine", "evaluate", "identify",
+}
+_ANSWER_STARTS = ("sure", "certainly", "of course", "i'm sorry", "i am sorry", "as an ai", "here is", "here's",
+                  "thank you", "thanks", "absolutely", "great question", "hello! i", "i am smollm", "i'm smollm")
+_SPECIAL = re.compile(r"<\|[a-z_]+\|>")
+
+
+def is_request(text: str) -> bool:
+    """A user turn that asks for something (question or instruction), not an answer or chatter."""
+    low = text.strip().lower()
+    if low.startswith(_ANSWER_STARTS):
+        return False
+    first = re.split(r"[\s,.:;!]", low, maxsplit=1)[0]
+    return "?" in text or first in _REQUEST_STARTS
+
+
+def distinct_n(texts: list[str], n: int) -> float:
+    """Distinct n-grams / all n-grams over ``texts`` (word level)."""
+    grams, total = set(), 0
+    for t in texts:
+        w = t.lower().split()
+        g = [tuple(w[i: i + n]) for i in range(len(w) - n + 1)]
+        grams.update(g)
+        total += len(g)
+    return len(grams) / total if total else 0.0
+
+
+def _shingles(text: str) -> set[bytes]:
+    w = re.findall(r"\w+", text.lower())
+    if len(w) < 3:
+        return {" ".join(w).encode()}
+    return {" ".join(w[i: i + 3]).encode() for i in range(len(w) - 2)}
+
+
+class Deduper:
+    """Exact (normalised text) and near-duplicate (MinHash LSH on word 3-grams) detection."""
+
+    def __init__(self, threshold: float = 0.7, num_perm: int = 128):
+        try:
+            from datasketch import MinHash, MinHashLSH
+        except ImportError:  # pragma: no cover - a dependency of the package
+            raise DraftheadsError("synthesize needs datasketch: pip install datasketch") from None
+        self._minhash = lambda: MinHash(num_perm=num_perm, seed=1)
+        self.lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
+        self.exact: set[str] = set()
+        self._n = 0
+
+    def check(self, text: str) -> str | None:
+        """``None`` and remember ``text`` if it is new; else ``"exact_dup"`` or ``"near_dup"``."""
+        norm = " ".join(text.lower().split())
+        if norm in self.exact:
+            return "exact_dup"
+        m = self._minhash()
+        for s in _shingles(text):
+            m.update(s)
+        if self.lsh.query(m):
+            return "near_dup"
+        self.exact.add(norm)
+        self.lsh.insert(str(self._n), m)
+        self._n += 1
+        return None
+
+
+@dataclass
+class SynthConfig:
+    num_prompts: int = 600
+    """Prompts to keep in all, shared equally by ``domains``."""
+    domains: tuple[str, ...] = SYNTH_DOMAINS
+    multi_turn: float = 0.15
+    """Fraction of chat/code/qa/math prompts that get a follow-up turn."""
+    temperature: float = 1.0
+    top_p: float = 0.95
+    max_prompt_tokens: int = 160
+    """Longest user turn written (longer candidates are unfinished and dropped)."""
+    passage_tokens: int = 200
+    answer_tokens: int = 256
+    """Answer length before a follow-up turn is written."""
+    min_words: int = 4
+    round_size: int = 192
+    """Candidates per round (a round is the unit of resume)."""
+    batch_size: int = 64
+    dedup_threshold: float = 0.7
+    seed: int = 0
+
+    def __post_init__(self):
+        unknown = set(self.domains) - set(SYNTH_DOMAINS)
+        if unknown or not self.domains:
+            raise DraftheadsError(f"--domains {sorted(unknown) or '[]'}: use some of {list(SYNTH_DOMAINS)}")
+        if self.num_prompts < 1:
+            raise DraftheadsError(f"--num-prompts {self.num_prompts} must be >= 1")
+        if not 0 <= self.multi_turn <= 1:
+            raise DraftheadsError(f"--multi-turn {self.multi_turn} must be in [0, 1]")
+        if not 0 < self.dedup_threshold <= 1:
+            raise DraftheadsError(f"--dedup-threshold {self.dedup_threshold} must be in (0, 1]")
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_prompt_tokens)
+
+
+@dataclass
+class _Stats:
+    candidates: Counter = field(default_factory=Counter)
+    kept: Counter = field(default_factory=Counter)
+    rejected: dict = field(default_factory=dict)
+
+    def reject(self, domain: str, why: str) -> None:
+        self.rejected.setdefault(domain, Counter())[why] += 1
+
+
+def user_prefix(tokenizer, history: list[dict], name: str = "target") -> str:
+    """The rendered conversation up to where a new user turn's text begins."""
+    sentinel = "\u2063draftheads-user\u2063"
+    text = render_chat(tokenizer, history + [{"role": "user", "content": sentinel}], add_generation_prompt=False,
+                       name=name)
+    return text[: text.index(sentinel)]
+
+
+class Synthesizer:
+    def __init__(self, target, config: SynthConfig, progress=print):
+        self.target, self.cfg, self.say = target, config, progress
+        self.tok = target.tokenizer
+        user_prefix(self.tok, [], target.info.name)  # fails early without a chat template
+        self.engine = Engine(target.model, self.tok)
+        self.batcher = ContinuousBatcher(self.engine, config.batch_size)
+
+    def _generate(self, texts: list[str], max_new: int, seed: int, temperature=None) -> list[tuple[str, bool]]:
+        """(continuation, finished) per rendered text, batched."""
+        t = self.cfg.temperature if temperature is None else temperature
+        convs = [Conversation(i, [self.tok(x, add_special_tokens=False).input_ids],
+                              SamplingParams(temperature=t, top_p=self.cfg.top_p, max_new_tokens=max_new,
+                                             seed=seed + i))
+                 for i, x in enumerate(texts)]
+        out: dict[int, tuple[str, bool]] = {}
+        for f in self.batcher.run(convs):
+            out[f.key] = (self.tok.decode(f.answers[0], skip_special_tokens=True), not f.truncated[0])
+        return [out[i] for i in range(len(texts))]
+
+    def _user_turns(self, prefixes: list[str], openers: list[str], seed: int) -> list[tuple[str, bool]]:
+        cont = self._generate([p + o for p, o in zip(prefixes, openers)], self.cfg.max_prompt_tokens, seed)
+        return [((o + c).strip(), done) for o, (c, done) in zip(openers, cont)]
+
+    def round(self, r: int, wanted: dict[str, int]) -> list[dict]:
+        """Candidates of round ``r`` for domains still short of their quota: [{domain, turns, finished}]."""
+        cfg, name = self.cfg, self.target.info.name
+        rng = random.Random(cfg.seed * 1_000_003 + r)
+        seed = (cfg.seed * 1_000_003 + r * 10_007) % (1 << 30)
+        live = [d for d in cfg.domains if wanted[d] > 0]
+        plan = [live[i % len(live)] for i in range(cfg.round_size)]
+        base = user_prefix(self.tok, [], name)
+        # phase 1: user turns (direct domains) and passage requests (summarization, translation)
+        openers = [rng.choice(OPENERS[d]) if d in OPENERS else rng.choice(PASSAGE_OPENERS) for d in plan]
+        first = self._user_turns([base] * len(plan), openers, seed)
+        cands = [{"domain": d, "turns": [t], "finished": ok} for d, (t, ok) in zip(plan, first)]
+        # phase 2: passages, and answers of the prompts that get a follow-up
+        wrap = [c for c in cands if c["domain"] not in OPENERS and c["finished"]]
+        multi = [c for c in cands if c["domain"] in MULTI_TURN_DOMAINS and c["finished"] and is_request(c["turns"][0])
+                 and rng.random() < cfg.multi_turn]
+        jobs = [(c, cfg.passage_tokens) for c in wrap] + [(c, cfg.answer_tokens) for c in multi]
+        texts = [render_chat(self.tok, [{"role": "user", "content": c["turns"][0]}], name=name) for c, _ in jobs]
+        answers = []
+        for n in sorted({m for _, m in jobs}):  # one batch per length budget
+            idx = [i for i, (_, m) in enumerate(jobs) if m == n]
+            for i, a in zip(idx, self._generate([texts[i] for i in idx], n, seed + 50_000 + n, temperature=0.0)):
+                answers.append((i, a))
+        answer_of = dict(answers)
+        for i, (c, _) in enumerate(jobs):
+            text, ok = answer_of[i]
+            if c in wrap:
+                c["turns"] = [self._wrap(c["domain"], text, rng)] if ok and text.strip() else c["turns"]
+                c["finished"] = ok and bool(text.strip())
+            else:
+                c["answer"] = text if ok else None
+        # phase 3: follow-up user turns after the target's own answer
+        follow = [c for c in multi if c.get("answer")]
+        prefixes = [user_prefix(self.tok, [{"role": "user", "content": c["turns"][0]},
+                                           {"role": "assistant", "content": c["answer"]}], name) for c in follow]
+        for c, (t, ok) in zip(follow, self._user_turns(prefixes, [""] * len(follow), seed + 90_000)):
+            if ok and len(t.split()) >= cfg.min_words and is_request(t):
+                c["turns"].append(t)
+        for c in cands:
+            c.pop("answer", None)
+        return cands
+
+    @staticmethod
+    def _wrap(domain: str, passage: str, rng: random.Random) -> str:
+        passage = passage.strip()
+        if domain == "summarization":
+            return rng.choice(SUMMARY_TEMPLATES).format(p=passage)
+        sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", passage) if 5 <= len(s.split()) <= 40]
+        if not sentences:
+            return ""
+        k = rng.randint(0, len(sentences) - 1)
+        text = " ".join(sentences[k: k + rng.choice((1, 1, 2))])
+        return rng.choice(TRANSLATION_TEMPLATES).format(lang=rng.choice(LANGUAGES), s=text)
+
+
+def synthesize(target, out: str | os.PathLike, config: SynthConfig | None = None, progress=print) -> Path:
+    """Write ``config.num_prompts`` target-written prompts to ``out``; see the module docstring."""
+    cfg = config or SynthConfig()
+    out = Path(out)
+    if out.exists():
+        raise DraftheadsError(f"--out {str(out)!r} already exists: remove it, or choose another path")
+    partial, meta = out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json")
+    settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}
+    settings["target"] = target.info.name
+    state = {"settings": settings, "round": 0, "stats": {}}
+    if meta.is_file():
+        old = json.loads(meta.read_text())
+        if old["settings"] != settings:
+            diff = sorted(k for k in settings if old["settings"].get(k) != settings[k])
+            raise DraftheadsError(f"{partial} was started with other settings ({', '.join(diff)}): rerun with the "
+                                  "same settings to resume, or delete it to start over")
+        state = old
+    synth = Synthesizer(target, cfg, progress)
+    dedup = Deduper(cfg.dedup_threshold)
+    kept: list[dict] = []
+    if partial.is_file():
+        for line in partial.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a torn last line
+            kept.append(rec)
+    kept = kept[: state.get("kept", len(kept))]  # lines past the last finished round are redone
+    for rec in kept:
+        dedup.check(rec["turns"][0])
+    stats = _Stats(Counter(state["stats"].get("candidates", {})), Counter(state["stats"].get("kept", {})),
+                   {d: Counter(v) for d, v in state["stats"].get("rejected", {}).items()})
+    share = {d: cfg.num_prompts // len(cfg.domains) + (i < cfg.num_prompts % len(cfg.domains))
+             for i, d in enumerate(cfg.domains)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(partial, "".join(json.dumps(r) + "\n" for r in kept))
+    t0 = time.perf_counter()
+    while True:
+        have = Counter(r["domain"] for r in kept)
+        wanted = {d: share[d] - have[d] for d in cfg.domains}
+        if all(w <= 0 for w in wanted.values()):
+            break
+        r = state["round"]
+        if r > 20 * (cfg.num_prompts // cfg.round_size + 1):
+            raise DraftheadsError(
+                f"synthesize kept {len(kept)} of {cfg.num_prompts} prompts after {r} rounds: the target rarely "
+                "writes usable requests; raise --temperature or lower --num-prompts"
+            )
+        new = []
+        for c in synth.round(r, wanted):
+            d = c["domain"]
+            stats.candidates[d] += 1
+            why = _reject(c, cfg, target.tokenizer) or dedup.check(c["turns"][0])
+            if why is None and have[d] + sum(1 for x in new if x["domain"] == d) >= share[d]:
+                why = "quota_full"
+            if why:
+                stats.reject(d, why)
+                continue
+            stats.kept[d] += 1
+            new.append({"id": f"syn-{d}-{stats.kept[d]:06d}", "domain": d, "turns": c["turns"]})
+        with partial.open("a", encoding="utf-8") as f:
+            f.writelines(json.dumps(x) + "\n" for x in new)
+            f.flush()
+            os.fsync(f.fileno())
+        kept += new
+        state.update(round=r + 1, kept=len(kept), stats={"candidates": stats.candidates, "kept": stats.kept,
+                                                          "rejected": stats.rejected})
+        atomic_write_json(meta, state)
+        progress(f"synthesize: round {r + 1}, kept {len(kept)}/{cfg.num_prompts} "
+                 f"({time.perf_counter() - t0:.0f} s, {synth.batcher.tokens_generated} tokens written)")
+    report = diversity_report(kept, stats)
+    report["settings"] = settings
+    atomic_write_json(out.with_name(out.name + ".stats.json"), report)
+    os.replace(partial, out)
+    meta.unlink()
+    return out
+
+
+def _reject(c: dict, cfg: SynthConfig, tokenizer) -> str | None:
+    text = c["turns"][0]
+    if not c["finished"] or not text:
+        return "unfinished"
+    if _SPECIAL.search(text):
+        return "template_tokens"
+    if len(text.split()) < cfg.min_words:
+        return "too_short"
+    if c["domain"] in OPENERS and not is_request(text):
+        return "not_a_request"
+    return None
+
+
+def diversity_report(records: list[dict], stats: _Stats) -> dict:
+    """Per domain: candidates, kept, rejections by reason, distinct-1/2/3 and the near-duplicate rate."""
+    out = {"domains": {}, "total": len(records)}
+    for d in sorted({r["domain"] for r in records} | set(stats.candidates)):
+        texts = [r["turns"][0] for r in records if r["domain"] == d]
+        rej = dict(stats.rejected.get(d, {}))
+        cand = stats.candidates[d]
+        out["domains"][d] = {
+            "candidates": cand, "kept": len(texts), "rejected": rej,
+            "multi_turn": sum(1 for r in records if r["domain"] == d and len(r["turns"]) > 1),
+            "near_dup_rate": round((rej.get("near_dup", 0) + rej.get("exact_dup", 0)) / cand, 4) if cand else 0.0,
+            "distinct_1": round(distinct_n(texts, 1), 4), "distinct_2": round(distinct_n(texts, 2), 4),
+            "distinct_3": round(distinct_n(texts, 3), 4),
+            "mean_words": round(sum(len(t.split()) for t in texts) / max(len(texts), 1), 1),
+            "sample": texts[:3],
+        }
+    return out

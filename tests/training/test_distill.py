@@ -1,0 +1,124 @@
+import json
+
+import pytest
+import torch
+
+from draftheads.errors import DraftheadsError
+from draftheads.prompts import Prompt
+from draftheads.training.data import build_dataset
+from draftheads.training.distill import distill, split_of, turn_segments
+from draftheads.training.features import FeatureDataset, collate_features
+
+PROMPTS = [Prompt(f"p{i}", "chat", (f"question number {i}?",)) for i in range(7)] + [
+    Prompt("multi", "chat", ("first question?", "and a follow-up?")),
+]
+
+
+def _run(target, tmp_path, **kw):
+    kw = {"max_new_tokens": 12, "batch_size": 3, "features": (1, 4), "feature_dir": tmp_path / "feats",
+          "val_fraction": 0.3, "shard_rows": 1, "max_seq_len": 48, "feature_dtype": torch.float32, "progress": lambda m: None, **kw}
+    return distill(target, PROMPTS, tmp_path / "d.jsonl", **kw)
+
+
+def test_distill_writes_records_and_features_of_the_same_pass(tiny_target, tmp_path):
+    out = _run(tiny_target, tmp_path)
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in recs) == sorted(p.id for p in PROMPTS)
+    assert not (tmp_path / "d.jsonl.partial").exists() and not (tmp_path / "d.jsonl.partial.json").exists()
+    for r in recs:
+        assert len(r["answers"]) == len(r["truncated"]) == len(r["turns"]) >= 1
+    ds = {s: FeatureDataset(tmp_path / "feats", s, target=tiny_target.info.name) for s in ("train", "val")}
+    keys = {s: [k for sh in d.shards for k in sh["keys"]] for s, d in ds.items()}
+    assert sorted(keys["train"] + keys["val"]) == sorted(p.id for p in PROMPTS)
+    for s, ks in keys.items():
+        assert all(split_of(k, 0.3, 0) == s for k in ks)
+    from draftheads.targets import hidden_states
+
+    row = collate_features([ds["train"][0]])
+    doc0 = row["doc_ids"][0] == 0
+    ids = row["input_ids"][0][doc0][None]
+    hs, logits = hidden_states(tiny_target.model, ids, [1, 4], return_logits=True)
+    torch.testing.assert_close(row["feat_4"][0][doc0], hs[4][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(row["feat_1"][0][doc0], hs[1][0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(row["target_argmax"][0][doc0], logits[0].argmax(-1))
+    # the text records train too, with the truncation mark respected
+    train, val, stats = build_dataset(tiny_target.tokenizer, [str(out)], max_length=256, val_fraction=0.0, cache=False)
+    assert stats["train"]["samples"] == len(PROMPTS)
+
+
+def test_truncated_answers_get_no_end_of_turn_token(tiny_target, tmp_path):
+    out = _run(tiny_target, tmp_path, max_new_tokens=3)
+    recs = {json.loads(line)["id"]: json.loads(line) for line in out.read_text().splitlines()}
+    eos = tiny_target.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ds = FeatureDataset(tmp_path / "feats", "train")
+    for i in range(len(ds)):
+        row = ds[i]
+        for d in range(int(row["doc_ids"].max()) + 1):
+            key = ds.shards[i]["keys"][d] if len(ds.shards) == len(ds) else None
+            sel = row["doc_ids"] == d
+            toks, mask = row["input_ids"][sel], row["loss_mask"][sel]
+            if key is not None and recs[key]["truncated"][-1]:
+                assert toks[-1].item() != eos and mask[-1].item() == 1
+    from draftheads.training.data import record_to_messages, tokenize_conversation
+
+    cut = next(r for r in recs.values() if r["truncated"][-1])
+    ids, mask = tokenize_conversation(tiny_target.tokenizer, record_to_messages(cut, "x"))
+    assert ids[-1] != eos and mask[-1] == 1
+
+
+def test_resume_after_a_kill_has_no_duplicates_or_gaps(tiny_target, tmp_path):
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    ref = _run(tiny_target, whole)
+    ref_recs = sorted(ref.read_text().splitlines())
+
+    calls = {"n": 0}
+    import draftheads.training.distill as mod
+
+    real = mod.ContinuousBatcher.run
+
+    def run_then_die(self, convs, *a, **k):
+        for n, fin in enumerate(real(self, convs, *a, **k)):
+            if calls["n"] == 0 and n == 4:
+                calls["n"] = 1
+                raise KeyboardInterrupt
+            yield fin
+
+    mod.ContinuousBatcher.run = run_then_die
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _run(tiny_target, tmp_path)
+    finally:
+        mod.ContinuousBatcher.run = real
+    index = json.loads((tmp_path / "feats" / "index.json").read_text())
+    committed = [k for shards in index["splits"].values() for sh in shards for k in sh["keys"]]
+    assert 0 < len(committed) < len(PROMPTS) and not index["complete"]
+    partial = (tmp_path / "d.jsonl.partial").read_text()
+    assert sorted(json.loads(x)["id"] for x in partial.splitlines()) == sorted(committed)
+    (tmp_path / "d.jsonl.partial").write_text(partial + '{"id": "torn')  # a crash mid-write
+    with pytest.raises(DraftheadsError, match="other settings"):
+        _run(tiny_target, tmp_path, max_new_tokens=13)
+    with pytest.raises(DraftheadsError, match="incomplete"):
+        FeatureDataset(tmp_path / "feats", "train")
+    out = _run(tiny_target, tmp_path)
+    assert sorted(out.read_text().splitlines()) == ref_recs
+    keys = [k for s in ("train", "val") for sh in FeatureDataset(tmp_path / "feats", s).shards for k in sh["keys"]]
+    assert sorted(keys) == sorted(p.id for p in PROMPTS)
+
+
+def test_multi_turn_segments_follow_the_template(tiny_target):
+    tok = tiny_target.tokenizer
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    segs = turn_segments(tok, ["hi?", "more?"], [eos])
+    assert tok.decode(segs[1]) == "\n<|im_start|>user\nmore?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_bad_input(tiny_target, tmp_path):
+    with pytest.raises(DraftheadsError, match="outside"):
+        _run(tiny_target, tmp_path, features=(1, 99))
+    with pytest.raises(DraftheadsError, match="go together"):
+        _run(tiny_target, tmp_path, feature_dir=None)
+    with pytest.raises(DraftheadsError, match="more than once"):
+        distill(tiny_target, PROMPTS + PROMPTS[:1], tmp_path / "x.jsonl", progress=lambda m: None)
+    with pytest.raises(DraftheadsError, match="not 'other'"):
+        FeatureDataset(_run(tiny_target, tmp_path / "ok").parent / "feats", "train", target="other")
