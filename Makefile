@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.draftheads-installed
 TEST_ENV := WANDB_MODE=offline HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-.PHONY: install test test-all demo vllm-check lint clean-venv
+.PHONY: install test test-all demo reference-head vllm-check lint clean-venv
 
 install: $(STAMP)
 
@@ -30,6 +30,11 @@ test-all: $(STAMP)
 
 demo: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) scripts/demo.py $(DEMO_ARGS)
+
+# The shipped reference EAGLE-3 head: synthesize -> distill --features -> train -> export -> eval -> bench ->
+# scaling -> package, under runs/reference/ (log: runs/reference/log.txt; resumes where it stopped). Hours on 2 CPU cores.
+reference-head: $(STAMP)
+	WANDB_MODE=$${WANDB_MODE:-offline} HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) scripts/reference_head.py $(REFERENCE_ARGS)
 
 # vLLM serving the exported heads, compared with our engine (own venv: .venv-vllm, 3.4 GB; about 25 min on 2 CPU cores).
 vllm-check: $(STAMP)

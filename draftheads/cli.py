@@ -89,7 +89,8 @@ def cmd_synthesize(args) -> int:
 
     cfg = SynthConfig(num_prompts=args.num_prompts, domains=tuple(args.domains), multi_turn=args.multi_turn,
                       temperature=args.temperature, top_p=args.top_p, max_prompt_tokens=args.max_prompt_tokens,
-                      batch_size=args.batch_size, dedup_threshold=args.dedup_threshold, seed=args.seed)
+                      batch_size=args.batch_size, dedup_threshold=args.dedup_threshold, seed=args.seed,
+                      round_size=args.round_size)
     target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     torch_threads(args)
     out = synthesize(target, args.out, cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
@@ -205,10 +206,14 @@ def cmd_eval(args) -> int:
     prompts = [p for f in args.prompts for p in load_prompts(f, limit_per_domain=args.limit_per_domain)]
     target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     torch_threads(args)
-    proposer = make_proposer(target, args.head, args.proposer, args.tree)
-    results = evaluation.evaluate(target, proposer, prompts, params, args.batch_size, auto_tree=args.tree == "auto")
+    modes = [m.strip() for m in args.tree.split(",") if m.strip()]
+    if not modes or len(set(modes)) != len(modes):
+        raise DraftheadsError(f"--tree {args.tree!r}: give one or more distinct modes, e.g. chain3,medium")
+    proposers = {m: make_proposer(target, args.head, args.proposer, m) for m in modes}
+    results = evaluation.evaluate(target, proposers, prompts, params, args.batch_size, auto_tree="auto" in modes)
+    name = next(iter(proposers.values())).name
     meta = {"command": "draftheads " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
-            "target": args.target, "head": args.head, "proposer": proposer.name, "tree": args.tree,
+            "target": args.target, "head": args.head, "proposer": name, "tree": modes,
             "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
             "seed": args.seed, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": evaluation.machine()}
     res = evaluation.report(results, meta)
@@ -228,9 +233,9 @@ def cmd_bench(args) -> int:
     from draftheads.targets import load_target
     from draftheads.utils import atomic_write_json, atomic_write_text
 
-    parts = [p.strip() for p in args.only.split(",")] if args.only else list(speed.PARTS)
+    parts = [p.strip() for p in args.only.split(",") if p.strip()] if args.only is not None else list(speed.PARTS)
     unknown = set(parts) - set(speed.PARTS)
-    if unknown:
+    if unknown or not parts:
         raise DraftheadsError(f"--only {sorted(unknown)} unknown: use some of {', '.join(speed.PARTS)}")
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     res = {"command": "draftheads " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
@@ -257,6 +262,10 @@ def cmd_bench(args) -> int:
     if "batch" in parts:
         batches = [int(b) for b in args.batches.split(",")]
         res["batch_sweep"] = speed.batch_sweep(target, proposers, prompts, args.batch_tokens, batches, progress=say)
+    if "datagen" in parts:
+        gen_prompts = [encode_chat(tok, [{"role": "user", "content": p.turns[0]}], name=args.target)
+                       for p in load_prompts("bundled:train")][: 2 * args.datagen_batch]
+        res["datagen"] = speed.datagen(target, gen_prompts, args.max_new_tokens, args.datagen_batch, progress=say)
     if "memory" in parts:
         from draftheads.bench.loss_memory import run
 
@@ -337,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=160)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--dedup-threshold", type=float, default=0.7, help="MinHash Jaccard above which prompts are near duplicates")
+    p.add_argument("--round-size", type=int, default=192, help="candidates per round (the unit of resume)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=cmd_synthesize)
@@ -391,7 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--limit-per-domain", type=int, default=None)
-    p.add_argument("--tree", default=None)
+    p.add_argument("--tree", default="chain3,medium",
+                   help="comma list of modes, each measured against the same plain run: chainK (vLLM serves a "
+                        "chain of K), small | medium | large (trees), auto, or a static-tree file (Medusa)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", required=True)
@@ -409,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", default="1,2,4,8,16")
     p.add_argument("--tree", default=None)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--only", default=None, help="comma list of: verify, proposers, batch, memory")
+    p.add_argument("--datagen-batch", type=int, default=64, help="batch of the datagen part (2x as many prompts)")
+    p.add_argument("--only", default=None, help="comma list of: verify, proposers, batch, memory, datagen")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_bench, argv=None)
     return parser

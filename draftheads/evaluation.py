@@ -1,9 +1,10 @@
 """``draftheads eval``: acceptance and speedup per domain, plain and speculative decoding side by side.
 
-Each prompt (each turn of a multi-turn prompt) runs once with plain decoding and once with the
-proposer, in alternating order so that machine drift cancels. Later turns feed the target's own
-earlier (plain) answers back. Per domain and overall: tau, alpha per position, acceptance rate,
-drafts, tokens/s, speedup (sum of plain wall time / sum of speculative wall time) and 95 % confidence
+Each prompt (each turn of a multi-turn prompt) runs once with plain decoding and once per speculative
+*mode* (a tree option of the proposer, e.g. ``chain3``, vLLM's serving mode, beside ``medium``), in
+rotating order so that machine drift cancels. Later turns feed the target's own earlier (plain)
+answers back. Per mode, domain and overall: tau, alpha per position, acceptance rate, drafts,
+tokens/s, speedup (sum of plain wall time / sum of speculative wall time) and 95 % confidence
 intervals over prompts; at T = 0 every speculative output is compared with the plain one.
 """
 
@@ -50,26 +51,28 @@ def _progress(done: int, total: int, t0: float, label: str) -> None:
         print(file=sys.stderr)
 
 
-def evaluate(target, proposer, prompts: list[Prompt], params: SamplingParams, batch_size: int = 1,
-             label: str = "eval", progress: bool = True, auto_tree: bool = False) -> list[PromptResult]:
-    """Run plain and speculative decoding on ``prompts`` in batches; returns per-prompt results."""
+def evaluate(target, proposers: dict, prompts: list[Prompt], params: SamplingParams, batch_size: int = 1,
+             label: str = "eval", progress: bool = True, auto_tree: bool = False) -> dict[str, list[PromptResult]]:
+    """Run plain decoding and each ``{mode: proposer}`` on ``prompts`` in batches; returns per-mode,
+    per-prompt results (the plain timings are shared by all modes)."""
     tok = target.tokenizer
-    plain_engine = Engine(target.model, tok, None)
-    policy = switch = None
-    if auto_tree:
-        from draftheads.inference.build import make_policy
+    engines = {"plain": Engine(target.model, tok, None)}
+    for mode, proposer in proposers.items():
+        policy = switch = None
+        if auto_tree and mode == "auto":
+            from draftheads.inference.build import make_policy
 
-        policy, switch = make_policy(proposer, target.info.name, str(target.model.device))
-    spec_engine = Engine(target.model, tok, proposer, policy=policy, switch=switch)
+            policy, switch = make_policy(proposer, target.info.name, str(target.model.device))
+        engines[mode] = Engine(target.model, tok, proposer, policy=policy, switch=switch)
     warm = tok("warm up", add_special_tokens=False).input_ids or [0]
-    plain_engine.generate([warm], SamplingParams(max_new_tokens=2))
-    spec_engine.generate([warm], SamplingParams(max_new_tokens=2))
-    results = {p.id: PromptResult(p.id, p.domain) for p in prompts}
+    for engine in engines.values():
+        engine.generate([warm], SamplingParams(max_new_tokens=2))
+    results = {m: {p.id: PromptResult(p.id, p.domain) for p in prompts} for m in proposers}
     histories: dict[str, list[dict]] = {p.id: [] for p in prompts}
     total = sum(len(p.turns) for p in prompts)
-    done, t0, flip = 0, time.perf_counter(), False
-    max_turns = max(len(p.turns) for p in prompts)
-    for turn in range(max_turns):
+    done, t0, shift = 0, time.perf_counter(), 0
+    names = list(engines)
+    for turn in range(max(len(p.turns) for p in prompts)):
         live = [p for p in prompts if turn < len(p.turns)]
         for s in range(0, len(live), batch_size):
             batch = live[s : s + batch_size]
@@ -77,27 +80,29 @@ def evaluate(target, proposer, prompts: list[Prompt], params: SamplingParams, ba
             for p in batch:
                 histories[p.id].append({"role": "user", "content": p.turns[turn]})
                 ids.append(encode_chat(tok, histories[p.id], name=target.info.name))
-            order = [("spec", spec_engine), ("plain", plain_engine)] if flip else [("plain", plain_engine), ("spec", spec_engine)]
-            flip = not flip
+            order = names[shift:] + names[:shift]
+            shift = (shift + 1) % len(names)
             outs = {}
-            for name, engine in order:
-                outs[name] = engine.generate(ids, [SamplingParams(**{**params.__dict__, "seed": params.seed + i})
-                                                   for i in range(len(ids))])
-            for p, po, so in zip(batch, outs["plain"], outs["spec"]):
-                r = results[p.id]
-                r.plain_wall_s += po.metrics.wall_time_s / len(batch)
-                r.spec_wall_s += so.metrics.wall_time_s / len(batch)
-                r.plain_tokens += len(po.token_ids)
-                r.spec_tokens += len(so.token_ids)
-                if params.greedy and po.token_ids != so.token_ids:
-                    r.mismatches += 1
-                r.metrics = r.metrics.merge(so.metrics)
+            for name in order:
+                outs[name] = engines[name].generate(ids, [SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+                                                          for i in range(len(ids))])
+            for mode in proposers:
+                for p, po, so in zip(batch, outs["plain"], outs[mode]):
+                    r = results[mode][p.id]
+                    r.plain_wall_s += po.metrics.wall_time_s / len(batch)
+                    r.spec_wall_s += so.metrics.wall_time_s / len(batch)
+                    r.plain_tokens += len(po.token_ids)
+                    r.spec_tokens += len(so.token_ids)
+                    if params.greedy and po.token_ids != so.token_ids:
+                        r.mismatches += 1
+                    r.metrics = r.metrics.merge(so.metrics)
+            for p, po in zip(batch, outs["plain"]):
                 histories[p.id].append({"role": "assistant",
                                         "content": tok.decode(po.token_ids, skip_special_tokens=True)})
             done += len(batch)
             if progress:
                 _progress(done, total, t0, label)
-    return [results[p.id] for p in prompts]
+    return {m: [results[m][p.id] for p in prompts] for m in proposers}
 
 
 def summarize(results: list[PromptResult]) -> dict:
@@ -129,29 +134,34 @@ def summarize(results: list[PromptResult]) -> dict:
     }
 
 
-def report(results: list[PromptResult], meta: dict) -> dict:
-    domains = sorted({r.domain for r in results})
-    return {
-        **meta,
-        "overall": summarize(results),
-        "domains": {d: summarize([r for r in results if r.domain == d]) for d in domains},
-        "prompts": [{"id": r.id, "domain": r.domain, "tau": r.metrics.tau, "speedup": r.speedup,
-                     "mismatches": r.mismatches} for r in results],
-    }
+def report(results: dict[str, list[PromptResult]], meta: dict) -> dict:
+    """``{mode: per-prompt results}`` -> JSON: per mode, overall and per domain."""
+    modes = {}
+    for mode, rs in results.items():
+        domains = sorted({r.domain for r in rs})
+        modes[mode] = {
+            "overall": summarize(rs),
+            "domains": {d: summarize([r for r in rs if r.domain == d]) for d in domains},
+            "prompts": [{"id": r.id, "domain": r.domain, "tau": r.metrics.tau, "speedup": r.speedup,
+                         "mismatches": r.mismatches} for r in rs],
+        }
+    return {**meta, "modes": modes}
 
 
 def markdown(res: dict) -> str:
-    k = max((len(v["alpha"]) for v in res["domains"].values()), default=0)
-    head = "| domain | prompts | τ (±95% CI) | " + " | ".join(f"α@{i + 1}" for i in range(k)) + \
+    modes = res["modes"]
+    k = max((len(v["alpha"]) for m in modes.values() for v in m["domains"].values()), default=0)
+    head = "| mode | domain | prompts | τ (±95% CI) | " + " | ".join(f"α@{i + 1}" for i in range(k)) + \
         " | plain tok/s | spec tok/s | speedup | mismatches |"
     lines = [f"`{res['command']}`", "", head, "|" + "---|" * (head.count("|") - 1)]
-    rows = list(res["domains"].items()) + [("**overall**", res["overall"])]
-    for name, v in rows:
-        alphas = " | ".join(f"{a:.2f}" for a in v["alpha"]) + " | -" * (k - len(v["alpha"]))
-        lines.append(
-            f"| {name} | {v['n_prompts']} | {v['tau']:.2f} ± {v['tau_ci95']:.2f} | {alphas} | "
-            f"{v['tokens_per_s_plain']:.1f} | {v['tokens_per_s_spec']:.1f} | {v['speedup']:.2f}x | {v['greedy_mismatches']} |"
-        )
+    for mode, m in modes.items():
+        for name, v in list(m["domains"].items()) + [("**overall**", m["overall"])]:
+            alphas = " | ".join(f"{a:.2f}" for a in v["alpha"]) + " | -" * (k - len(v["alpha"]))
+            lines.append(
+                f"| {mode} | {name} | {v['n_prompts']} | {v['tau']:.2f} ± {v['tau_ci95']:.2f} | {alphas} | "
+                f"{v['tokens_per_s_plain']:.1f} | {v['tokens_per_s_spec']:.1f} | {v['speedup']:.2f}x | "
+                f"{v['greedy_mismatches']} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -162,31 +172,35 @@ def plots(res: dict, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     files = []
-    doms = list(res["domains"])
+    modes = res["modes"]
+    doms = sorted({d for m in modes.values() for d in m["domains"]})
     fig, ax = plt.subplots(figsize=(6, 4))
-    for d in doms:
-        a = res["domains"][d]["alpha"]
-        ax.plot(range(1, len(a) + 1), a, marker="o", label=d)
-    ax.set_xticks(range(1, max((len(res["domains"][d]["alpha"]) for d in doms), default=1) + 1))
+    for mode, m in modes.items():
+        for d in doms:
+            a = m["domains"][d]["alpha"]
+            ax.plot(range(1, len(a) + 1), a, marker="o", label=f"{d} ({mode})")
     ax.set_xlabel("draft position")
     ax.set_ylabel("α (accepted / drafts reaching it)")
     ax.set_ylim(0, 1)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=6, ncol=2)
     ax.set_title("acceptance by position")
     files.append(out / "alpha_by_position.png")
     fig.tight_layout()
     fig.savefig(files[-1], dpi=120)
     plt.close(fig)
+    width = 0.8 / max(len(modes), 1)
     for key, ci, ylabel, name in (("tau", "tau_ci95", "τ (mean accepted length)", "tau_by_domain.png"),
                                   ("speedup", "speedup_ci95", "speedup vs plain", "speedup_by_domain.png")):
         fig, ax = plt.subplots(figsize=(6, 4))
-        vals = [res["domains"][d][key] for d in doms]
-        errs = [0 if res["domains"][d][ci] != res["domains"][d][ci] else res["domains"][d][ci] for d in doms]
-        ax.bar(doms, vals, yerr=errs, capsize=4)
+        for i, (mode, m) in enumerate(modes.items()):
+            vals = [m["domains"][d][key] for d in doms]
+            errs = [0 if m["domains"][d][ci] != m["domains"][d][ci] else m["domains"][d][ci] for d in doms]
+            ax.bar([x + i * width for x in range(len(doms))], vals, width, yerr=errs, capsize=3, label=mode)
+        ax.set_xticks([x + width * (len(modes) - 1) / 2 for x in range(len(doms))], doms, rotation=30)
         if key == "speedup":
             ax.axhline(1.0, color="k", lw=0.8)
         ax.set_ylabel(ylabel)
-        ax.tick_params(axis="x", rotation=30)
+        ax.legend(fontsize=8)
         files.append(out / name)
         fig.tight_layout()
         fig.savefig(files[-1], dpi=120)

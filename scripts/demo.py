@@ -1,17 +1,19 @@
 """`make demo`: the main job on the embedded default target (SmolLM2-135M-Instruct), under runs/demo/.
 
-    distill -> cache-features -> train-head fit (EAGLE-3) -> export (vllm-eagle3) -> eval
+    distill (answers and their features, one pass) -> train-head fit (EAGLE-3) -> export (vllm-eagle3) -> eval
+    (the head trained now, and the shipped reference head when it is installed, on the same prompts)
 
 Each stage runs the project's own command (printed before it runs) and leaves its output in
 runs/demo/; a second run reuses finished stages. `--redo STAGE,...` (or `--redo all`) runs them
 again; an interrupted training run resumes from its last checkpoint.
 
-    python scripts/demo.py [--redo all|distill,features,train,export,eval] [--per-domain 8]
+    python scripts/demo.py [--redo all|distill,train,export,eval] [--per-domain 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -22,7 +24,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = Path("runs/demo")
-STAGES = ("distill", "features", "train", "export", "eval")
+STAGES = ("distill", "train", "export", "eval")
 BIN = Path(sys.executable).parent
 
 
@@ -50,12 +52,41 @@ def train_config(args) -> Path:
     for cb in cfg["trainer"]["callbacks"]:
         if cb["class_path"].endswith("ModelCheckpoint"):
             cb["init_args"].update({"dirpath": str(out / "checkpoints"), "every_n_train_steps": 10})
-    cfg["model"]["init_args"].update({"head_dir": str(RUN / "head"), "warmup_steps": 5})
+    cfg["model"]["init_args"].update({"head_dir": str(RUN / "head"), "warmup_ratio": 0.05})
     cfg["data"]["feature_dir"] = str(RUN / "features")
     path = ROOT / RUN / "train.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("# written by scripts/demo.py from configs/smollm2-eagle3-demo.yaml\n" + yaml.safe_dump(cfg, sort_keys=False))
     return path.relative_to(ROOT)
+
+
+SHIPPED = ROOT / "draftheads/data/heads/smollm2-135m-eagle3"
+
+
+def reference_installed() -> bool:
+    return (SHIPPED / "model.safetensors").is_file() and (SHIPPED / "card.json").is_file()
+
+
+def answer_tokens(features: Path) -> int:
+    from safetensors import safe_open
+
+    index = json.loads((features / "index.json").read_text())
+    total = 0
+    for sh in index["splits"]["train"]:
+        with safe_open(str(features / sh["file"]), framework="pt") as f:
+            total += int(f.get_tensor("loss_mask").sum())
+    return total
+
+
+def head_rows(rows: list[tuple[str, Path]]) -> str:
+    """One line per head and eval mode: tau, alpha@1 and speedup over all demo eval prompts."""
+    lines = ["| head | mode | τ | α@1 | speedup |", "|---|---|---|---|---|"]
+    for label, where in rows:
+        for mode, m in json.loads((where / "results.json").read_text())["modes"].items():
+            o = m["overall"]
+            a1 = o["alpha"][0] if o["alpha"] else 0.0
+            lines.append(f"| {label} | {mode} | {o['tau']:.2f} | {a1:.2f} | {o['speedup']:.2f}x |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
@@ -77,9 +108,11 @@ def main() -> int:
     dh, th = str(BIN / "draftheads"), str(BIN / "train-head")
     data, features, head = RUN / "data/train.jsonl", RUN / "features", RUN / "head"
     export, evald = RUN / "export", RUN / "eval"
-    outputs = {"distill": data, "features": features, "train": head, "export": export, "eval": evald / "results.json"}
+    outputs = {"distill": data, "train": head, "export": export, "eval": evald / "results.json"}
     for s in redo:
         target = ROOT / outputs[s]
+        if s == "distill":
+            shutil.rmtree(ROOT / features, ignore_errors=True)
         if s == "train":
             shutil.rmtree(ROOT / RUN / "train", ignore_errors=True)
         if target.is_dir():
@@ -96,20 +129,28 @@ def main() -> int:
 
     stage("distill", [dh, "distill", "--prompts", "bundled:train", "--limit-per-domain", str(args.per_domain),
                       "--max-new-tokens", str(args.max_new_tokens), "--batch-size", str(6 * args.per_domain),
-                      "--out", str(data)])
-    stage("features", [dh, "cache-features", "--data", str(data), "--layers", "eagle3", "--max-length", "512",
-                       "--val-fraction", "0.1", "--out", str(features)])
+                      "--features", "eagle3", "--feature-dir", str(features), "--max-seq-len", "512",
+                      "--val-fraction", "0.1", "--out", str(data)])
     cmd = [th, "fit", "--config", str(train_config(args))]
     if (ROOT / RUN / "train/checkpoints/last.ckpt").exists():
         cmd += ["--ckpt_path", "last"]
     stage("train", cmd)
     stage("export", [dh, "export", "--head", str(head), "--format", "vllm-eagle3", "--out", str(export),
                      "--verifier", "smollm2-135m"])
-    stage("eval", [dh, "eval", "--head", str(head), "--prompts", "bundled:eval", "--limit-per-domain",
-                   str(args.eval_per_domain), "--max-new-tokens", str(args.eval_tokens), "--tree", "small",
-                   "--out", str(evald)])
+    eval_args = ["--prompts", "bundled:eval", "--limit-per-domain", str(args.eval_per_domain), "--max-new-tokens",
+                 str(args.eval_tokens), "--tree", "chain3,small"]
+    stage("eval", [dh, "eval", "--head", str(head), *eval_args, "--out", str(evald)])
+    reference = evald.parent / "eval-reference"
+    if reference_installed() and not (ROOT / reference / "results.json").exists():
+        times["eval reference"] = run("eval reference", [dh, "eval", "--head", "reference", *eval_args,
+                                                         "--out", str(reference)])
 
     print("\n" + (ROOT / evald / "results.md").read_text())
+    rows = [(f"trained now on {answer_tokens(ROOT / features) / 1e3:.1f} k tokens", ROOT / evald)]
+    if (ROOT / reference / "results.json").exists():
+        card = json.loads((SHIPPED / "card.json").read_text())
+        rows.append((f"reference, trained on {card['data']['train']['answer_tokens']:,} tokens", ROOT / reference))
+    print(head_rows(rows))
     plots = sorted(str(f.relative_to(ROOT)) for f in (ROOT / evald).glob("*.png"))
     print("plots: " + ", ".join(plots))
     print(f"head: {head}   vLLM export: {export}   stage times: "

@@ -14,8 +14,11 @@ def test_eval_on_spec_bench_and_gsm8k_fixtures(tiny_llama_dir, tmp_path, capsys)
     gsm.write_text(json.dumps({"question": "What is 2 plus 2?", "answer": "4\n#### 4"}) + "\n")
     out = tmp_path / "eval"
     assert main(["eval", "--target", str(tiny_llama_dir), "--proposer", "ngram", "--prompts", str(sb), str(gsm),
-                 "--max-new-tokens", "12", "--out", str(out)]) == 0
-    res = json.loads((out / "results.json").read_text())
+                 "--max-new-tokens", "12", "--tree", "chain3,chain5", "--out", str(out)]) == 0
+    full = json.loads((out / "results.json").read_text())
+    assert list(full["modes"]) == ["chain3", "chain5"] and full["tree"] == ["chain3", "chain5"]
+    assert full["modes"]["chain3"]["overall"]["tokens_per_s_plain"] > 0
+    res = {**full, **full["modes"]["chain5"]}
     assert set(res["domains"]) == {"chat", "translation", "qa", "math"}
     assert res["domains"]["chat"]["n_prompts"] == 1
     assert res["overall"]["greedy_mismatches"] == 0
@@ -26,7 +29,8 @@ def test_eval_on_spec_bench_and_gsm8k_fixtures(tiny_llama_dir, tmp_path, capsys)
     assert res["command"].startswith("draftheads eval") and res["machine"]["torch"]
     for png in ("alpha_by_position.png", "tau_by_domain.png", "speedup_by_domain.png"):
         assert (out / png).stat().st_size > 1000
-    assert "| **overall** |" in (out / "results.md").read_text()
+    md = (out / "results.md").read_text()
+    assert "| chain3 | **overall** |" in md and "| chain5 | **overall** |" in md
 
 
 def test_bench_parts_on_tiny_target(tiny_llama_dir, tmp_path, capsys):
@@ -55,3 +59,16 @@ def test_loss_memory_measurement_sees_the_logits():
         assert res[f"{loss}_plain"]["peak_mb"] >= logits_mb, res
         assert res[f"{loss}_fused"]["peak_mb"] < 0.5 * res[f"{loss}_plain"]["peak_mb"], res
         assert abs(res[f"{loss}_plain"]["loss"] - res[f"{loss}_fused"]["loss"]) < 1e-3
+
+
+def test_bench_datagen_part(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert main(["bench", "--target", str(tiny_llama_dir), "--only", "datagen", "--max-new-tokens", "5",
+                 "--datagen-batch", "3", "--out", str(out)]) == 0
+    d = json.loads((out / "results.json").read_text())["datagen"]
+    assert d["prompts"] == 6 and d["batch"] == 3
+    for k in ("static", "continuous", "continuous_features"):
+        assert d[k]["tokens"] > 0 and d[k]["ratio_vs_batch1"] > 0
+    assert d["static"]["tokens"] == d["continuous"]["tokens"]  # same answers, greedy
+    assert "continuous batch 3 + features" in capsys.readouterr().out
+    assert main(["bench", "--target", str(tiny_llama_dir), "--only", "", "--out", str(out)]) == 2

@@ -3,7 +3,9 @@
 Parts (``--only``): ``verify`` (forward time for K = 1 .. 64 query tokens and the memory-bound check),
 ``proposers`` (tokens/s of plain decoding in our engine, HF ``generate``, HF prompt lookup, n-gram and
 the given heads, on the same prompts), ``batch`` (speedup of each proposer vs plain decoding at batch
-1 .. 16), ``memory`` (the loss memory table). Every timed configuration generates exactly
+1 .. 16), ``memory`` (the loss memory table), ``datagen`` (data-generation throughput: batch-1 plain
+decoding vs a static batch vs continuous batching, with and without feature capture, on real answers
+that end at different lengths). Except in ``datagen``, every timed configuration generates exactly
 ``max_new_tokens`` tokens per prompt (no early stop), alternating between methods per prompt.
 """
 
@@ -16,7 +18,7 @@ import torch
 from draftheads.inference.engine import Engine
 from draftheads.inference.sampling import SamplingParams
 
-PARTS = ("verify", "proposers", "batch", "memory")
+PARTS = ("verify", "proposers", "batch", "memory", "datagen")
 
 
 def memory_bound_check(model, curve: dict[int, float]) -> dict:
@@ -101,6 +103,40 @@ def batch_sweep(target, proposers: dict, prompts: list[list[int]], n: int, batch
     return out
 
 
+def datagen(target, prompts: list[list[int]], n: int, batch: int = 64, single: int = 4,
+            capture=(2, 15, 27, 30), progress=print) -> dict:
+    """Tokens/s of answering ``prompts`` (answers stop at end of turn, at most ``n`` tokens): one at a time,
+    as static batches of ``batch`` (no refill), and with continuous batching (with and without capturing
+    hidden states ``capture``). Ratios are to the batch-1 rate measured in the same run."""
+    from draftheads.inference.batching import ContinuousBatcher, Conversation
+
+    model = target.model
+    engine = Engine(model, target.tokenizer, None)
+    params = SamplingParams(max_new_tokens=n)
+    capture = tuple(i for i in capture if i <= target.info.num_layers)
+    engine.generate([prompts[0][:8]], SamplingParams(max_new_tokens=2))
+    res = {"batch": batch, "prompts": len(prompts), "max_new_tokens": n, "dtype": str(target.info.dtype)}
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        tokens = fn()
+        dt = time.perf_counter() - t0
+        res[name] = {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt}
+        progress(f"datagen: {name}: {tokens} tokens in {dt:.1f} s = {tokens / dt:.1f} tok/s")
+
+    timed("batch1", lambda: sum(len(engine.generate([p], params)[0].token_ids) for p in prompts[:single]))
+    timed("static", lambda: sum(len(o.token_ids) for s in range(0, len(prompts), batch)
+                                for o in engine.generate(prompts[s: s + batch], params)))
+    for name, layers in (("continuous", ()), ("continuous_features", capture)):
+        b = ContinuousBatcher(engine, batch, capture=layers)
+        timed(name, lambda b=b: sum(len(f.answers[0]) for f in b.run(
+            Conversation(i, [p], params) for i, p in enumerate(prompts))))
+    base = res["batch1"]["tokens_per_s"]
+    for k in ("static", "continuous", "continuous_features"):
+        res[k]["ratio_vs_batch1"] = res[k]["tokens_per_s"] / base
+    return res
+
+
 def tables(res: dict) -> str:
     lines = [f"`{res['command']}` ({res['date']}, {res['machine']['platform']}, {res['machine']['threads']} threads)", ""]
     if "verify_curve" in res:
@@ -123,6 +159,16 @@ def tables(res: dict) -> str:
         lines += ["| proposer | " + " | ".join(f"batch {b}" for b in bs) + " |", "|---" * (len(bs) + 1) + "|"]
         for name, v in res["batch_sweep"].items():
             lines.append(f"| {name} | " + " | ".join(f"{v[b]:.2f}x" if b in v else "-" for b in bs) + " |")
+        lines.append("")
+    if "datagen" in res:
+        d = res["datagen"]
+        lines += [f"data generation, {d['prompts']} prompts, answers up to {d['max_new_tokens']} tokens (stop at end of "
+                  f"turn), {d['dtype']}", "", "| mode | tokens | tokens/s | vs batch 1 |", "|---|---|---|---|"]
+        for k, label in (("batch1", "batch 1"), ("static", f"static batch {d['batch']} (no refill)"),
+                         ("continuous", f"continuous batch {d['batch']}"),
+                         ("continuous_features", f"continuous batch {d['batch']} + features")):
+            v = d[k]
+            lines.append(f"| {label} | {v['tokens']} | {v['tokens_per_s']:.1f} | {v.get('ratio_vs_batch1', 1.0):.1f}x |")
         lines.append("")
     if "loss_memory" in res:
         lines += ["| vocab | loss | plain MB | fused MB | fused/plain |", "|---|---|---|---|---|"]

@@ -31,13 +31,38 @@ def save_head_dir(out: str | os.PathLike, head_type: str, config, state_dict: di
     return Path(out)
 
 
+# Heads shipped inside the package (draftheads/data/heads/<name>/), each with a CARD.md; ``reference``
+# names the one for the embedded default target.
+SHIPPED_HEADS = {"smollm2-135m-eagle3": "smollm2-135m-eagle3", "reference": "smollm2-135m-eagle3"}
+
+
+def shipped_head_path(name: str) -> Path:
+    from importlib import resources
+
+    return Path(str(resources.files("draftheads") / "data" / "heads" / SHIPPED_HEADS[name]))
+
+
+def resolve_head(spec: str | os.PathLike) -> Path:
+    """A head directory, or the name of a shipped head (``reference``, ``smollm2-135m-eagle3``)."""
+    if str(spec) in SHIPPED_HEADS and not Path(spec).is_dir():
+        path = shipped_head_path(str(spec))
+        if not (path / WEIGHTS_NAME).is_file():
+            raise DraftheadsError(
+                f"shipped head {str(spec)!r} is not in this installation: build it with `make reference-head`, "
+                "or give --head a head directory"
+            )
+        return path
+    return Path(spec)
+
+
 def read_head_dir(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
-    path = Path(path)
+    path = resolve_head(path)
     cfg_file, weights = path / CONFIG_NAME, path / WEIGHTS_NAME
     if not cfg_file.is_file() or not weights.is_file():
         raise DraftheadsError(
             f"head directory {str(path)!r} lacks {CONFIG_NAME} or {WEIGHTS_NAME}: point --head at a "
-            "directory written by `train-head` or `draftheads import`"
+            "directory written by `train-head` or `draftheads import`, or name a shipped head: "
+            f"{', '.join(sorted(SHIPPED_HEADS))}"
         )
     meta = json.loads(cfg_file.read_text())
     if "head_type" not in meta:

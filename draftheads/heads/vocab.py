@@ -20,6 +20,7 @@ class DraftVocab:
     draft_ids: torch.Tensor  # [draft_vocab] int64, ascending target ids
     target_vocab_size: int
     coverage: float  # fraction of counted target tokens that the draft vocab covers
+    held_out_coverage: float | None = None  # the same on held-out text, when it was counted
 
     @property
     def size(self) -> int:
@@ -54,8 +55,12 @@ def token_counts(token_batches, vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def build_draft_vocab(counts: torch.Tensor, size: int | None = None, coverage: float = 0.95) -> DraftVocab:
-    """Most frequent tokens: ``size`` of them, or the fewest that cover ``coverage`` of all counts."""
+def build_draft_vocab(counts: torch.Tensor, size: int | None = None, coverage: float = 0.98,
+                      held_out: torch.Tensor | None = None, tie_break: torch.Tensor | None = None,
+                      max_size: int | None = None) -> DraftVocab:
+    """The most frequent tokens of ``counts`` (ties broken by ``tie_break`` counts, e.g. every token of
+    the training text): ``size`` of them, or the fewest covering ``coverage`` of the ``held_out`` counts
+    (of ``counts`` themselves when none are given), at most ``max_size``."""
     counts = counts.to(torch.int64)
     total = int(counts.sum())
     if total == 0:
@@ -64,11 +69,18 @@ def build_draft_vocab(counts: torch.Tensor, size: int | None = None, coverage: f
         raise DraftheadsError(f"draft_vocab_size {size} must be in 1..{counts.numel()}")
     if not 0 < coverage <= 1:
         raise DraftheadsError(f"draft vocab coverage {coverage} must be in (0, 1]")
-    order = torch.argsort(counts, descending=True, stable=True)
+    order = torch.arange(counts.numel())
+    if tie_break is not None:
+        order = torch.argsort(tie_break.to(torch.int64), descending=True, stable=True)
+    order = order[torch.argsort(counts[order], descending=True, stable=True)]
+    if held_out is not None and int(held_out.sum()) == 0:
+        held_out = None
     if size is None:
-        cum = torch.cumsum(counts[order], 0)
-        size = int(torch.searchsorted(cum, torch.tensor(coverage * total, dtype=cum.dtype)).item()) + 1
-        size = min(size, counts.numel())
+        ref = (held_out if held_out is not None else counts).to(torch.int64)
+        cum = torch.cumsum(ref[order], 0)
+        size = int(torch.searchsorted(cum, torch.tensor(coverage * int(ref.sum()), dtype=cum.dtype)).item()) + 1
+        size = min(size, counts.numel(), max_size or counts.numel())
     chosen = torch.sort(order[:size]).values
     cov = float(counts[chosen].sum()) / total
-    return DraftVocab(chosen, counts.numel(), cov)
+    held = float(held_out[chosen].sum()) / int(held_out.sum()) if held_out is not None else None
+    return DraftVocab(chosen, counts.numel(), cov, held)

@@ -40,6 +40,7 @@ class PagedStep:
     tree_masks: list[torch.Tensor]  # per row: [q, q] bool, True where query i may attend to query j
     block_tables: list[list[int]] = field(default_factory=list)
     use_triton: bool = False
+    row_ranges: list[tuple[int, int] | None] = field(default_factory=list)  # per row: contiguous flat slots
     _additive: dict = field(default_factory=dict, repr=False)
     _triton_args: tuple | None = field(default=None, repr=False)
 
@@ -81,13 +82,16 @@ class StepCache:
 
 
 def torch_paged_tree_attention(query, step: PagedStep, layer: int, scaling: float) -> torch.Tensor:
-    """Reference: query [1, H, total_q, D] -> [total_q, H, D]."""
+    """Reference: query [1, H, total_q, D] -> [total_q, H, D]. A row whose K/V lie in a reserved
+    contiguous region is read as a view; other rows are gathered through their slots."""
     out = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
     for b in range(step.rows):
         s, e = step.query_start[b], step.query_start[b + 1]
         if e == s:
             continue
-        kv = step.cache.gather_kv(layer, step.row_slots[b]).transpose(1, 2)  # [2, kv_heads, S, D]
+        rng = step.row_ranges[b] if step.row_ranges else None
+        kv = step.cache.kv_range(layer, *rng) if rng else step.cache.gather_kv(layer, step.row_slots[b])
+        kv = kv.transpose(1, 2)  # [2, kv_heads, S, D]
         if kv.dtype != query.dtype:
             kv = kv.to(query.dtype)
         q = query[:, :, s:e]  # [1, H, q, D]; 4D inputs keep SDPA on its fast CPU kernels

@@ -98,6 +98,7 @@ class ContinuousBatcher:
         cache = PagedKVCache(eng.num_layers, bs * blocks_per_row, eng.kv_heads, eng.head_dim,
                              eng.config.block_size, eng.dtype, eng.device, use_triton=eng.use_triton)
         queue = iter(conversations)
+        free_regions = [range(i * blocks_per_row, (i + 1) * blocks_per_row) for i in range(bs)]
         rows: list[_Row] = []
         ids = itertools.count()
         lm_head = eng.model.get_output_embeddings().weight
@@ -106,7 +107,7 @@ class ContinuousBatcher:
                 conv = next(queue, None)
                 if conv is None:
                     break
-                rows.append(self._admit(conv, next(ids), cache))
+                rows.append(self._admit(conv, next(ids), cache, free_regions.pop()))
             if not rows:
                 return
             trees = [Tree(r.pending, [-1] + list(range(len(r.pending) - 1))) for r in rows]
@@ -131,6 +132,8 @@ class ContinuousBatcher:
                     am[-1] = int(logits[n].argmax())
                     row.argmax.append(am)
                 if row.closing or not self._step(row, logits[n]):
+                    free_regions.append(range(cache.seqs[row.state.rid].blocks[0],
+                                              cache.seqs[row.state.rid].blocks[0] + blocks_per_row))
                     cache.release(row.state.rid)
                     out = self._finish(row)
                     if on_finish:
@@ -144,7 +147,7 @@ class ContinuousBatcher:
 
     # ------------------------------------------------------------------ per row
 
-    def _admit(self, conv: Conversation, rid: int, cache: PagedKVCache) -> _Row:
+    def _admit(self, conv: Conversation, rid: int, cache: PagedKVCache, region: range) -> _Row:
         if not conv.segments or not conv.segments[0]:
             raise DraftheadsError(f"conversation {conv.key!r} has an empty prompt")
         first = conv.segments[0]
@@ -155,7 +158,7 @@ class ContinuousBatcher:
             )
         gen = torch.Generator(device="cpu").manual_seed(conv.params.seed)
         state = RequestState(rid, len(first), list(first), conv.params, gen)
-        cache.add(rid)
+        cache.add(rid, region)  # a contiguous region per row: attention reads its K/V without a gather
         return _Row(conv, state, list(first), answer_start=len(first), mask=[0] * len(first))
 
     def _budget(self, row: _Row) -> int:

@@ -80,7 +80,7 @@ class Engine:
     def forward(self, cache: PagedKVCache, states, trees: list[Tree], layer_ids, keep: list[int] | None = None):
         """One target forward over every row's tree; returns (logits [total_q or len(keep), V],
         hidden {id: [total_q, H]}). ``keep``: flattened query indices whose logits are needed."""
-        ids, pos, write, row_slots, masks, starts, prefix = [], [], [], [], [], [0], []
+        ids, pos, write, row_slots, masks, starts, prefix, ranges = [], [], [], [], [], [0], [], []
         for st, tree in zip(states, trees):
             start = cache.length(st.rid)
             prefix.append(start)
@@ -90,13 +90,14 @@ class Engine:
             pos.extend(d + start for d in depths(tree.parents))
             write.append(slots[start:])
             row_slots.append(slots)
+            ranges.append(cache.contiguous(st.rid, start + len(tree)))
             masks.append(ancestor_mask(tree.parents).to(self.device))
             starts.append(starts[-1] + len(tree))
         step = PagedStep(
             cache=cache, query_start=starts, prefix_lens=prefix,
             write_slots=torch.cat(write), row_slots=row_slots, tree_masks=masks,
             block_tables=[cache.block_table(st.rid) for st in states] if self.use_triton else [],
-            use_triton=self.use_triton,
+            use_triton=self.use_triton, row_ranges=ranges,
         )
         input_ids = torch.tensor([ids], device=self.device)
         position_ids = torch.tensor([pos], device=self.device)

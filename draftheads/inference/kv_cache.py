@@ -28,6 +28,7 @@ class BlocksExhausted(DraftheadsError):
 class SeqBlocks:
     blocks: list[int] = field(default_factory=list)
     length: int = 0  # committed tokens
+    pinned: int = 0  # leading blocks kept however short the sequence is (a reserved region)
 
 
 class PagedKVCache:
@@ -51,10 +52,31 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ allocation
 
-    def add(self, seq_id: int) -> None:
+    def add(self, seq_id: int, region: range | None = None) -> None:
+        """Start a sequence; with ``region`` (free consecutive block ids) it owns those blocks until it is
+        released, so its K/V stay contiguous and attention reads them without a gather."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} already in the cache")
-        self.seqs[seq_id] = SeqBlocks()
+        seq = SeqBlocks()
+        if region is not None:
+            wanted = set(region)
+            if len(wanted & set(self.free)) != len(wanted):
+                raise ValueError(f"blocks {region} are not all free")
+            self.free = [b for b in self.free if b not in wanted]
+            seq.blocks, seq.pinned = list(region), len(region)
+        self.seqs[seq_id] = seq
+
+    def contiguous(self, seq_id: int, n: int) -> tuple[int, int] | None:
+        """Flat slot range of positions ``0 .. n-1`` when they lie in the sequence's reserved region."""
+        seq = self.seqs[seq_id]
+        if n <= seq.pinned * self.block_size:
+            first = seq.blocks[0] * self.block_size
+            return first, first + n
+        return None
+
+    def kv_range(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """K and V of flat slots ``start .. end-1`` as a view -> [2, n, kv_heads, head_dim]."""
+        return self._flat[layer][:, start:end]
 
     def length(self, seq_id: int) -> int:
         return self.seqs[seq_id].length
@@ -135,6 +157,6 @@ class PagedKVCache:
         """Set the committed length and free blocks past it."""
         seq = self.seqs[seq_id]
         seq.length = length
-        keep = -(-length // self.block_size)
+        keep = max(-(-length // self.block_size), seq.pinned)
         while len(seq.blocks) > keep:
             self.free.append(seq.blocks.pop())

@@ -26,6 +26,7 @@ class ChatDataModule(L.LightningDataModule):
         num_workers: int = 0,
         feature_dir: str | None = None,
         trust_remote_code: bool = False,
+        train_fraction: float = 1.0,
     ):
         """
         Args:
@@ -40,6 +41,8 @@ class ChatDataModule(L.LightningDataModule):
             num_workers: DataLoader workers.
             feature_dir: read rows and target features from a ``draftheads cache-features`` output.
             trust_remote_code: allow custom tokenizer code for hub targets.
+            train_fraction: train on this fraction of the training rows (a fixed random subset; data
+                scaling curves); validation is unchanged.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -47,6 +50,8 @@ class ChatDataModule(L.LightningDataModule):
             raise DraftheadsError(f"data.batch_size={batch_size} must be >= 1")
         if max_length < 8:
             raise DraftheadsError(f"data.max_length={max_length} must be >= 8")
+        if not 0 < train_fraction <= 1:
+            raise DraftheadsError(f"data.train_fraction={train_fraction} must be in (0, 1]")
         if not train_files and not feature_dir:
             raise DraftheadsError("data.train_files is empty: give jsonl files or data.feature_dir")
         self.train_set = self.val_set = None
@@ -73,17 +78,30 @@ class ChatDataModule(L.LightningDataModule):
             train, val, self.stats = self._build()
             self.train_set, self.val_set = train, val
             self._collate = collate
+        if self.hparams.train_fraction < 1:
+            n = len(self.train_set)
+            keep = max(1, int(round(n * self.hparams.train_fraction)))
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.hparams.seed)).tolist()
+            self.train_set = torch.utils.data.Subset(self.train_set, sorted(order[:keep]))
 
-    def token_counts(self, vocab_size: int) -> torch.Tensor:
-        """Counts of loss-masked target tokens in the training split (for draft vocabularies)."""
+    def token_counts(self, vocab_size: int, split: str = "train", masked: bool = True) -> torch.Tensor:
+        """Counts of the target tokens of ``split`` (loss-masked ones, or all with ``masked=False``),
+        for draft vocabularies."""
         self.setup()
-        if isinstance(self.train_set, FeatureDataset):
-            ids, masks = self.train_set.column("input_ids"), self.train_set.column("loss_mask")
-            return token_counts((i[m.bool()] for i, m in zip(ids, masks)), vocab_size)
-        batches = (
-            torch.as_tensor(row["input_ids"])[torch.as_tensor(row["loss_mask"]).bool()] for row in self.train_set
-        )
-        return token_counts(batches, vocab_size)
+        ds = self.train_set if split == "train" else self.val_set
+        rows = None
+        if isinstance(ds, torch.utils.data.Subset) and isinstance(ds.dataset, FeatureDataset):
+            rows = torch.tensor(ds.indices)
+            ds = ds.dataset
+        if isinstance(ds, FeatureDataset):
+            key = "loss_mask" if masked else "doc_ids"
+            ids, marks = torch.cat(list(ds.column("input_ids"))), torch.cat(list(ds.column(key)))
+            if rows is not None:
+                ids, marks = ids[rows], marks[rows]
+            return token_counts([ids[marks.bool() if masked else marks >= 0]], vocab_size)
+        pairs = ((torch.as_tensor(r["input_ids"]), torch.as_tensor(r["loss_mask"] if masked else r["doc_ids"]))
+                 for r in ds)
+        return token_counts((i[m.bool() if masked else m >= 0] for i, m in pairs), vocab_size)
 
     def _loader(self, ds, shuffle: bool):
         trainer = self.trainer

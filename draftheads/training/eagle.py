@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from draftheads.errors import DraftheadsError
 from draftheads.heads import (
     Eagle3Config,
     Eagle3Head,
@@ -23,11 +24,32 @@ from draftheads.training.module import DraftHeadModule
 log = logging.getLogger(__name__)
 
 
-def _draft_vocab(module: DraftHeadModule, datamodule, size: int | None, coverage: float) -> DraftVocab:
-    vocab = build_draft_vocab(datamodule.token_counts(module.info.vocab_size), size=size, coverage=coverage)
-    log.warning("draft vocabulary: %d tokens covering %.1f%% of training target tokens", vocab.size, 100 * vocab.coverage)
-    module.draft_vocab_coverage = vocab.coverage
+def _draft_vocab(module: DraftHeadModule, datamodule, size: int | None, coverage: float,
+                 max_size: int | None = None) -> DraftVocab:
+    """Ranked by the training targets; sized (when ``size`` is None) to cover ``coverage`` of the
+    validation targets, so the draft vocabulary is judged on text it was not built from."""
+    v = module.info.vocab_size
+    vocab = build_draft_vocab(datamodule.token_counts(v), size=size, coverage=coverage,
+                              held_out=datamodule.token_counts(v, split="val"),
+                              tie_break=datamodule.token_counts(v, masked=False), max_size=max_size)
+    held = "n/a (no validation split)" if vocab.held_out_coverage is None else f"{100 * vocab.held_out_coverage:.1f}%"
+    log.warning("draft vocabulary: %d tokens covering %.1f%% of training and %s of validation target tokens",
+                vocab.size, 100 * vocab.coverage, held)
+    module.draft_vocab_coverage = {"train": vocab.coverage, "val": vocab.held_out_coverage}
     return vocab
+
+
+AUX_SCALES = ("median", "rms", "none")
+
+
+def feature_scale(states: torch.Tensor, how: str) -> torch.Tensor:
+    """One scale for hidden states [N, H]: the median per-token RMS (``median``), the RMS over all
+    tokens (``rms``), or 1 (``none``)."""
+    if how == "none" or states.numel() == 0:
+        return torch.ones(())
+    per_token = states.pow(2).mean(-1)
+    value = per_token.median().sqrt() if how == "median" else per_token.mean().sqrt()
+    return value.clamp(min=1e-6)
 
 
 def _install_vocab(head, vocab: DraftVocab) -> None:
@@ -121,26 +143,37 @@ class Eagle3Module(_EagleBase):
         self,
         aux_layer_ids: list[int] | None = None,
         draft_vocab_size: int | None = None,
-        vocab_coverage: float = 0.95,
+        vocab_coverage: float = 0.98,
+        draft_vocab_max: int | None = None,
         ttt_steps: int = 7,
         decay: float = 0.8,
+        aux_scale: str = "median",
+        freeze_lm_head: bool = False,
         **kwargs,
     ):
         """
         Args:
             aux_layer_ids: HF hidden-state ids of the three target layers (default (2, L//2, L-3)).
-            draft_vocab_size: draft vocabulary size (None: the fewest tokens covering ``vocab_coverage``).
-            vocab_coverage: fraction of training target tokens the automatic draft vocabulary covers.
+            draft_vocab_size: draft vocabulary size (None: the fewest tokens covering ``vocab_coverage``
+                of the validation targets, ranked by the training targets).
+            vocab_coverage: fraction of validation target tokens the automatic draft vocabulary covers.
+            draft_vocab_max: upper bound of the automatic draft vocabulary size.
             ttt_steps: training-time-test unroll length.
             decay: loss weight of step j is decay**j.
+            aux_scale: per-layer scale of the aux states before ``fc``: ``median`` (the median token's RMS,
+                blind to attention-sink tokens whose norms are 1e3x the rest) or ``rms`` (RMS over all
+                tokens) or ``none``.
+            freeze_lm_head: keep the draft lm_head at the target's rows (fewer trained parameters).
             **kwargs: see :class:`DraftHeadModule`.
         """
         super().__init__(**kwargs)
         self.save_hyperparameters()
+        if aux_scale not in AUX_SCALES:
+            raise DraftheadsError(f"model.aux_scale={aux_scale!r}: use one of {list(AUX_SCALES)}")
 
     def build_head(self, info, datamodule):
         hp = self.hparams
-        vocab = _draft_vocab(self, datamodule, hp.draft_vocab_size, hp.vocab_coverage)
+        vocab = _draft_vocab(self, datamodule, hp.draft_vocab_size, hp.vocab_coverage, hp.draft_vocab_max)
         ids = tuple(hp.aux_layer_ids) if hp.aux_layer_ids else default_aux_layer_ids(info.num_layers)
         check_layer_ids(ids, info.num_layers, "model.aux_layer_ids")
         head = Eagle3Head(Eagle3Config(
@@ -151,17 +184,20 @@ class Eagle3Module(_EagleBase):
         _install_vocab(head, vocab)
         with torch.no_grad():
             head.lm_head.weight.copy_(self.lm_head_weight[vocab.draft_ids].float())
-            head.aux_scale.copy_(self._aux_rms(datamodule, ids))
-        log.warning("aux hidden-state RMS (fc input scale): %s", [round(float(x), 2) for x in head.aux_scale])
+            if hp.aux_scale != "none":
+                head.aux_scale.copy_(self._aux_scale(datamodule, ids, hp.aux_scale))
+        head.lm_head.weight.requires_grad_(not hp.freeze_lm_head)
+        log.warning("aux hidden-state scale (%s, fc input): %s", hp.aux_scale,
+                    [round(float(x), 2) for x in head.aux_scale])
         return head
 
     @torch.no_grad()
-    def _aux_rms(self, datamodule, ids, batches: int = 4) -> torch.Tensor:
-        """RMS of each aux hidden state over a few training batches (masked to real tokens)."""
+    def _aux_scale(self, datamodule, ids, how: str, batches: int = 4) -> torch.Tensor:
+        """Scale of each aux hidden state over a few training batches (real tokens only)."""
         datamodule.setup()
         loader = torch.utils.data.DataLoader(datamodule.train_set, batch_size=datamodule.hparams.batch_size,
                                              collate_fn=datamodule._collate)
-        sums, count = torch.zeros(len(ids)), 0
+        per_layer: list[list[torch.Tensor]] = [[] for _ in ids]
         for n, batch in enumerate(loader):
             if n == batches:
                 break
@@ -169,9 +205,8 @@ class Eagle3Module(_EagleBase):
             feats = self.features(batch, list(ids))
             real = batch["doc_ids"] >= 0
             for i, layer in enumerate(ids):
-                sums[i] += feats[layer][real].float().pow(2).mean(-1).sum().cpu()
-            count += int(real.sum())
-        return (sums / max(count, 1)).sqrt().clamp(min=1e-6)
+                per_layer[i].append(feats[layer][real].float().cpu())
+        return torch.stack([feature_scale(torch.cat(x), how) for x in per_layer])
 
     def compute_loss(self, batch):
         cfg = self.head.config

@@ -80,22 +80,55 @@ def _chunked_backward(ctx, go):
     return (gh, gw) + (None,) * ctx.n_extra
 
 
+def _ce_chunks(labels):
+    """CE per chunk of rows: (summed loss, d loss / d logits) from the logits buffer."""
+    valid = labels != IGNORE_INDEX
+    safe = labels.clamp(min=0)
+
+    def ce(s, logits):
+        lc, vc = safe[s : s + len(logits)], valid[s : s + len(logits)]
+        lse = torch.logsumexp(logits, -1)
+        loss = ((lse - logits.gather(1, lc[:, None])[:, 0]) * vc).sum()
+        g = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits buffer
+        g[torch.arange(len(lc), device=g.device), lc] -= 1.0
+        return loss, g.mul_(vc.to(g.dtype)[:, None])
+
+    return ce, max(int(valid.sum()), 1)
+
+
+def _kl_chunks(ht, wt):
+    """KL(p_teacher || q_student) per chunk of rows, and its gradient wrt the student logits."""
+
+    def kl(s, logits):
+        # three chunk-sized buffers: student logits -> log q -> grad, teacher logits -> log p -> log p - log q, p
+        log_q = logits.sub_(torch.logsumexp(logits, -1, keepdim=True))
+        t = (ht[s : s + len(logits)] @ wt.T).float()
+        log_p = t.sub_(torch.logsumexp(t, -1, keepdim=True))
+        p = log_p.exp()
+        loss = p.view(-1) @ log_p.sub_(log_q).view(-1)
+        return loss, log_q.exp_().sub_(p)
+
+    return kl
+
+
+def _chunked_loss_only(h, w, chunk: int, denom: float, loss_and_dlogits):
+    """The forward of the fused functions without their gradient matmuls (validation, no_grad)."""
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for s in range(0, h.shape[0], chunk):
+        total += loss_and_dlogits(s, (h[s : s + chunk] @ w.T).float())[0]
+    return total / denom
+
+
+def _needs_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, labels, chunk: int):
         # h [N, H], w [V, H], labels [N] with IGNORE_INDEX; mean CE over valid rows
-        valid = labels != IGNORE_INDEX
-        safe = labels.clamp(min=0)
-
-        def ce(s, logits):
-            lc, vc = safe[s : s + len(logits)], valid[s : s + len(logits)]
-            lse = torch.logsumexp(logits, -1)
-            loss = ((lse - logits.gather(1, lc[:, None])[:, 0]) * vc).sum()
-            g = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits buffer
-            g[torch.arange(len(lc), device=g.device), lc] -= 1.0
-            return loss, g.mul_(vc.to(g.dtype)[:, None])
-
-        return _chunked_forward(ctx, h, w, chunk, max(int(valid.sum()), 1), ce, n_extra=2)
+        ce, denom = _ce_chunks(labels)
+        return _chunked_forward(ctx, h, w, chunk, denom, ce, n_extra=2)
 
     backward = staticmethod(_chunked_backward)
 
@@ -104,16 +137,7 @@ class _ChunkedLinearKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hs, ws, ht, wt, chunk: int):
         # student hs [N, H], ws [V, H]; teacher ht [N, Ht], wt [V, Ht]; mean over N of KL(p_t || q_s)
-        def kl(s, logits):
-            # three chunk-sized buffers: student logits -> log q -> grad, teacher logits -> log p -> log p - log q, p
-            log_q = logits.sub_(torch.logsumexp(logits, -1, keepdim=True))
-            t = (ht[s : s + len(logits)] @ wt.T).float()
-            log_p = t.sub_(torch.logsumexp(t, -1, keepdim=True))
-            p = log_p.exp()
-            loss = p.view(-1) @ log_p.sub_(log_q).view(-1)
-            return loss, log_q.exp_().sub_(p)
-
-        return _chunked_forward(ctx, hs, ws, chunk, max(hs.shape[0], 1), kl, n_extra=3)
+        return _chunked_forward(ctx, hs, ws, chunk, max(hs.shape[0], 1), _kl_chunks(ht, wt), n_extra=3)
 
     backward = staticmethod(_chunked_backward)
 
@@ -134,6 +158,9 @@ def linear_cross_entropy(h, w, labels, chunk_size: int = DEFAULT_CHUNK, impl: st
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
         return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)(w, h, labels)
+    if not _needs_grad(h, w):
+        ce, denom = _ce_chunks(labels)
+        return _chunked_loss_only(h, w, chunk_size, denom, ce)
     return _ChunkedLinearCE.apply(h, w, labels, chunk_size)
 
 
@@ -145,6 +172,8 @@ def linear_kl(hs, ws, ht, wt, chunk_size: int = DEFAULT_CHUNK, impl: str = "auto
         from liger_kernel.transformers import LigerFusedLinearJSD
 
         return LigerFusedLinearJSD(jsd_beta=0.0)(hs, ws, ht, wt, None)
+    if not _needs_grad(hs, ws):
+        return _chunked_loss_only(hs, ws, chunk_size, max(hs.shape[0], 1), _kl_chunks(ht, wt))
     return _ChunkedLinearKL.apply(hs, ws, ht, wt, chunk_size)
 
 

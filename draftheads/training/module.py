@@ -24,6 +24,15 @@ from draftheads.training.losses import linear_argmax
 log = logging.getLogger(__name__)
 
 
+def warmup_cosine(step: int, total: int, warmup_ratio: float, floor: float) -> float:
+    """Learning-rate factor: linear warmup over ``warmup_ratio`` of ``total`` steps, then cosine to ``floor``."""
+    warm = int(round(warmup_ratio * total))
+    if step < warm:
+        return (step + 1) / warm
+    progress = min((step - warm) / max(total - warm, 1), 1.0)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 class DraftHeadModule(L.LightningModule):
     """Base class; subclasses define ``build_head``, ``feature_layer_ids`` and ``compute_loss``."""
 
@@ -36,7 +45,7 @@ class DraftHeadModule(L.LightningModule):
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
-        warmup_steps: int = 0,
+        warmup_ratio: float = 0.03,
         min_lr_ratio: float = 0.1,
         head_dir: str | None = None,
         loss_impl: str = "auto",
@@ -50,7 +59,8 @@ class DraftHeadModule(L.LightningModule):
             lr: peak learning rate of AdamW.
             weight_decay: AdamW weight decay.
             betas: AdamW betas.
-            warmup_steps: linear warmup steps, then cosine decay to ``min_lr_ratio * lr``.
+            warmup_ratio: fraction of the optimizer steps spent in linear warmup, then cosine decay to
+                ``min_lr_ratio * lr``.
             min_lr_ratio: final learning rate as a fraction of ``lr``.
             head_dir: where the standalone head directory is written at the end of fit.
             loss_impl: ``auto`` (Liger on CUDA, chunked torch elsewhere), ``liger`` or ``chunked``.
@@ -61,6 +71,8 @@ class DraftHeadModule(L.LightningModule):
         self.save_hyperparameters()
         if lr <= 0:
             raise DraftheadsError(f"model.lr={lr} must be > 0")
+        if not 0 <= warmup_ratio < 1:
+            raise DraftheadsError(f"model.warmup_ratio={warmup_ratio} must be in [0, 1)")
         self.target: torch.nn.Module | None = None
         self.head: torch.nn.Module | None = None
         self.info = None
@@ -186,13 +198,9 @@ class DraftHeadModule(L.LightningModule):
         opt = torch.optim.AdamW(params, lr=self.hparams.lr, betas=tuple(self.hparams.betas),
                                 weight_decay=self.hparams.weight_decay)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
-        warm, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
 
         def factor(step: int) -> float:
-            if step < warm:
-                return (step + 1) / warm
-            progress = min((step - warm) / max(total - warm, 1), 1.0)
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+            return warmup_cosine(step, total, self.hparams.warmup_ratio, self.hparams.min_lr_ratio)
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -208,5 +216,7 @@ class DraftHeadModule(L.LightningModule):
             if getattr(self, "last_val_accuracies", None):
                 extra["val_accuracies"] = self.last_val_accuracies
                 extra["val_sim_tau"] = simulated_tau(self.last_val_accuracies)
+            if getattr(self, "draft_vocab_coverage", None):
+                extra["draft_vocab_coverage"] = self.draft_vocab_coverage
             save_head(self.head, self.hparams.head_dir, extra)
             log.warning("head written to %s", self.hparams.head_dir)

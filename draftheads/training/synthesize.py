@@ -160,6 +160,8 @@ class SynthConfig:
             raise DraftheadsError(f"--num-prompts {self.num_prompts} must be >= 1")
         if not 0 <= self.multi_turn <= 1:
             raise DraftheadsError(f"--multi-turn {self.multi_turn} must be in [0, 1]")
+        if self.round_size < 1 or self.batch_size < 1:
+            raise DraftheadsError("--round-size and --batch-size must be >= 1")
         if not 0 < self.dedup_threshold <= 1:
             raise DraftheadsError(f"--dedup-threshold {self.dedup_threshold} must be in (0, 1]")
         SamplingParams(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_prompt_tokens)

@@ -131,3 +131,47 @@ def test_draft_vocab_coverage_and_maps():
     assert v.t2d.nonzero().flatten().tolist() == [1, 2, 5]
     assert build_draft_vocab(counts, size=1).draft_ids.tolist() == [5]
     assert DraftVocab.from_d2t(v.d2t, 12).draft_ids.tolist() == [1, 2, 5]
+
+
+def test_draft_vocab_sized_for_held_out_coverage():
+    train = token_counts([torch.tensor([5] * 50 + [1] * 30 + [2] * 15 + [9] * 5)], 12)
+    held = token_counts([torch.tensor([5] * 40 + [1] * 20 + [2] * 20 + [7] * 20)], 12)
+    # 95 % of the training targets need {5, 1, 2}; they cover only 80 % of held-out text
+    v = build_draft_vocab(train, coverage=0.95)
+    assert v.draft_ids.tolist() == [1, 2, 5] and v.held_out_coverage is None
+    v = build_draft_vocab(train, coverage=0.95, held_out=held)
+    assert v.held_out_coverage >= 0.95 and 7 in v.draft_ids.tolist()
+    assert v.draft_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 9]  # unseen tokens come in id order
+    # tokens unseen in the training targets are ranked by the tie-break counts (e.g. prompt text)
+    tie = torch.zeros(12, dtype=torch.int64)
+    tie[7] = 3
+    v = build_draft_vocab(train, coverage=0.95, held_out=held, tie_break=tie)
+    assert v.draft_ids.tolist() == [1, 2, 5, 7, 9] and v.held_out_coverage == pytest.approx(1.0)
+    assert build_draft_vocab(train, coverage=1.0, held_out=held, max_size=2).size == 2
+
+
+def test_shipped_head_names_resolve(tmp_path, monkeypatch):
+    from draftheads.heads import base, load_head, save_head
+
+    monkeypatch.setattr(base, "shipped_head_path", lambda name: tmp_path / "heads" / base.SHIPPED_HEADS[name])
+    with pytest.raises(DraftheadsError, match="make reference-head"):
+        load_head("reference")
+    head = _eagle3()
+    save_head(head, tmp_path / "heads" / "smollm2-135m-eagle3")
+    for name in ("reference", "smollm2-135m-eagle3"):
+        got, meta = load_head(name)
+        assert meta["head_type"] == "eagle3"
+        for k, v in head.state_dict().items():
+            assert torch.equal(got.state_dict()[k], v), k
+
+
+def test_shipped_reference_head_loads_if_installed():
+    """The committed reference head (when the package ships one) loads and fits the default target's shape."""
+    from draftheads.heads import base, load_head
+
+    path = base.shipped_head_path("reference")
+    if not (path / "model.safetensors").is_file():
+        pytest.skip("no reference head shipped in this checkout")
+    head, meta = load_head("reference")
+    assert meta["head_type"] == "eagle3" and head.config.vocab_size == 49152 and head.config.hidden_size == 576
+    assert (path / "CARD.md").is_file() and (path / "model.safetensors").stat().st_size <= 25 * 2**20

@@ -70,3 +70,38 @@ def test_sequence_budget_truncates(tiny_target):
     assert len(fin.token_ids) == 10 and fin.truncated == [True]
     with pytest.raises(DraftheadsError, match="max sequence length"):
         list(ContinuousBatcher(engine, batch_size=1, max_seq_len=4).run([conv]))
+
+
+def test_region_views_equal_gathered_attention(tiny_target, monkeypatch):
+    """Rows in reserved contiguous regions are read as views; that must equal reading through slots."""
+    from draftheads.inference.kv_cache import PagedKVCache
+
+    engine = Engine(tiny_target.model, tiny_target.tokenizer)
+    params = SamplingParams(max_new_tokens=9, stop_at_eos=False)
+
+    def run():
+        b = ContinuousBatcher(engine, batch_size=3, max_seq_len=40, capture=(2, 4), feature_dtype=torch.float32)
+        return {f.key: f for f in b.run([Conversation(i, [p], params) for i, p in enumerate(PROMPTS)])}
+
+    views = run()
+    monkeypatch.setattr(PagedKVCache, "contiguous", lambda self, seq_id, n: None)
+    gathered = run()
+    for k, f in views.items():
+        assert f.token_ids == gathered[k].token_ids
+        torch.testing.assert_close(f.features[4], gathered[k].features[4], atol=1e-6, rtol=1e-6)
+
+
+def test_reserved_regions_stay_contiguous():
+    from draftheads.inference.kv_cache import PagedKVCache
+
+    cache = PagedKVCache(1, 8, 1, 4, block_size=2)
+    cache.add(0, range(4, 8))
+    cache.reserve(0, 3)
+    cache.truncate(0, 1)  # shorter than the region: its blocks stay
+    assert cache.seqs[0].blocks == [4, 5, 6, 7] and cache.contiguous(0, 8) == (8, 16)
+    assert cache.contiguous(0, 9) is None
+    cache.add(1)
+    cache.reserve(1, 8)
+    assert sorted(cache.seqs[1].blocks) == [0, 1, 2, 3] and cache.contiguous(1, 2) is None
+    cache.release(0)
+    assert sorted(cache.free) == [4, 5, 6, 7]

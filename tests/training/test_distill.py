@@ -120,5 +120,9 @@ def test_bad_input(tiny_target, tmp_path):
         _run(tiny_target, tmp_path, feature_dir=None)
     with pytest.raises(DraftheadsError, match="more than once"):
         distill(tiny_target, PROMPTS + PROMPTS[:1], tmp_path / "x.jsonl", progress=lambda m: None)
+    feats = _run(tiny_target, tmp_path / "ok").parent / "feats"
     with pytest.raises(DraftheadsError, match="not 'other'"):
-        FeatureDataset(_run(tiny_target, tmp_path / "ok").parent / "feats", "train", target="other")
+        FeatureDataset(feats, "train", target="other")
+    next(feats.glob("train-*.safetensors")).unlink()
+    with pytest.raises(DraftheadsError, match="lacks shard"):
+        FeatureDataset(feats, "train")

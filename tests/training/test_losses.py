@@ -107,3 +107,50 @@ def test_medusa_loss_heads_and_decay_match_plain():
     assert any("blocks.0.layers.1.linear.weight" == n for n in ga)
     for n in ga:
         _close(ga[n], gb[n])
+
+
+def test_fused_losses_skip_gradient_work_without_grad(monkeypatch):
+    """Under no_grad (validation) the fused losses give the same value without the autograd Function,
+    whose forward computes input and weight gradients eagerly."""
+    from draftheads.training import losses
+
+    torch.manual_seed(0)
+    x = torch.randn(37, 16, requires_grad=True)
+    w = torch.randn(101, 16, requires_grad=True)
+    xt, wt = torch.randn(37, 8), torch.randn(101, 8)
+    labels = torch.randint(0, 101, (37,))
+    ce = linear_cross_entropy(x, w, labels, chunk_size=8, impl="chunked").item()
+    kl = linear_kl(x, w, xt, wt, chunk_size=8, impl="chunked").item()
+
+    def refuse(*a, **k):
+        raise AssertionError("gradient path used under no_grad")
+
+    monkeypatch.setattr(losses._ChunkedLinearCE, "apply", refuse)
+    monkeypatch.setattr(losses._ChunkedLinearKL, "apply", refuse)
+    with torch.no_grad():
+        assert linear_cross_entropy(x, w, labels, chunk_size=8, impl="chunked").item() == pytest.approx(ce, rel=1e-6)
+        assert linear_kl(x, w, xt, wt, chunk_size=8, impl="chunked").item() == pytest.approx(kl, rel=1e-6)
+    with pytest.raises(AssertionError, match="gradient path"):
+        linear_cross_entropy(x, w, labels, chunk_size=8, impl="chunked")
+
+
+def test_aux_scale_ignores_attention_sinks():
+    from draftheads.training.eagle import feature_scale
+
+    torch.manual_seed(0)
+    states = torch.randn(200, 32)  # per-token RMS about 1
+    states[::50] *= 20_000.0  # the first token of each document carries a massive activation
+    assert 0.8 < feature_scale(states, "median").item() < 1.2
+    assert feature_scale(states, "rms").item() > 1_000
+    assert feature_scale(states, "none").item() == 1.0
+
+
+def test_warmup_is_a_ratio_of_the_steps():
+    from draftheads.training.module import warmup_cosine
+
+    for total in (100, 1000):
+        warm = int(0.1 * total)
+        assert warmup_cosine(0, total, 0.1, 0.1) == pytest.approx(1 / warm)
+        assert warmup_cosine(warm - 1, total, 0.1, 0.1) == pytest.approx(1.0)
+        assert warmup_cosine(total, total, 0.1, 0.1) == pytest.approx(0.1)
+    assert warmup_cosine(0, 50, 0.0, 0.2) == pytest.approx(1.0)

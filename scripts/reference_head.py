@@ -1,0 +1,354 @@
+"""`make reference-head`: the shipped EAGLE-3 head for the embedded SmolLM2-135M-Instruct, in one command.
+
+    synthesize -> distill --features -> train-head fit -> export -> eval -> bench -> scaling -> package
+
+Everything goes under runs/reference/ and the log to runs/reference/log.txt. Each stage runs the project's
+own command (printed and logged); a rerun skips finished stages and resumes the unfinished one (synthesize
+and distill after their last committed round or shard, training from its last checkpoint). The machine's
+plain batch-1 decode rate is measured first and written beside every stage time (machines differ ~3x).
+
+`package` writes the head in bf16 with its CARD.md to draftheads/data/heads/smollm2-135m-eagle3/, only
+when its chain-3 tau on the bundled eval beats the committed head's (or with --force).
+
+    python scripts/reference_head.py [--synth-prompts 4000] [--redo STAGE,...|all] [--scaling 0.125,0.25,0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+STAGES = ("synthesize", "distill", "train", "export", "eval", "bench", "scaling", "package")
+SHIPPED = ROOT / "draftheads/data/heads/smollm2-135m-eagle3"
+
+
+class Run:
+    def __init__(self, root: Path):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.log = (root / "log.txt").open("a", encoding="utf-8")
+        self.times_file = root / "stages.json"
+        self.times = json.loads(self.times_file.read_text()) if self.times_file.is_file() else {}
+
+    def say(self, msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        self.log.write(line + "\n")
+        self.log.flush()
+
+    def cmd(self, stage: str, argv: list[str]) -> None:
+        self.say(f"=== {stage}: {' '.join(argv)}")
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            if "it/s]" in line or "s/it]" in line:
+                continue  # progress bars
+            sys.stdout.write(line)
+            self.log.write(line)
+            self.log.flush()
+        if proc.wait() != 0:
+            self.say(f"stage {stage} failed (exit {proc.returncode}); fix the error above and rerun: finished "
+                     "stages are kept and this one resumes")
+            sys.exit(1)
+
+    def stage(self, name: str, done: Path, fn) -> None:
+        if done.exists():
+            self.say(f"=== {name}: reusing {done.relative_to(ROOT)} (--redo {name} to run it again)")
+            return
+        t0 = time.perf_counter()
+        fn()
+        self.times[name] = round(time.perf_counter() - t0, 1)
+        self.times_file.write_text(json.dumps(self.times, indent=2))
+        self.say(f"=== {name}: done in {self.times[name]:.0f} s")
+
+
+def plain_decode_rate(tokens: int = 64) -> float:
+    """Batch-1 greedy tokens/s of the default target in the engine (fp32), the machine's yardstick."""
+    from draftheads.inference.engine import Engine
+    from draftheads.inference.sampling import SamplingParams
+    from draftheads.prompts import encode_chat
+    from draftheads.targets import load_target
+
+    t = load_target("smollm2-135m")
+    ids = encode_chat(t.tokenizer, [{"role": "user", "content": "Explain how a bicycle works."}])
+    engine = Engine(t.model, t.tokenizer)
+    engine.generate([ids[:8]], SamplingParams(max_new_tokens=2))
+    (out,) = engine.generate([ids], SamplingParams(max_new_tokens=tokens, stop_at_eos=False))
+    return out.metrics.tokens_per_s
+
+
+def train_config(run: Path, name: str, epochs: int | None, fraction: float = 1.0) -> Path:
+    """configs/smollm2-eagle3-reference.yaml with its paths under ``run/name``."""
+    cfg = yaml.safe_load((ROOT / "configs/smollm2-eagle3-reference.yaml").read_text())
+    out = run / name
+    cfg["trainer"]["default_root_dir"] = str(out / "train")
+    if epochs:
+        cfg["trainer"]["max_epochs"] = epochs
+    for logger in cfg["trainer"]["logger"]:
+        logger["init_args"]["save_dir"] = str(out / "train")
+    for cb in cfg["trainer"]["callbacks"]:
+        if cb["class_path"].endswith("ModelCheckpoint"):
+            cb["init_args"]["dirpath"] = str(out / "train/checkpoints")
+    cfg["model"]["init_args"]["head_dir"] = str(out / "head")
+    cfg["data"]["feature_dir"] = str(run / "features")
+    if fraction < 1:
+        cfg["data"]["train_fraction"] = fraction
+    path = out / "train.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# written by scripts/reference_head.py from configs/smollm2-eagle3-reference.yaml\n"
+                    + yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def fit(run: Run, stage: str, config: Path) -> None:
+    cmd = [str(BIN / "train-head"), "fit", "--config", str(config)]
+    if (config.parent / "train/checkpoints/last.ckpt").exists():
+        cmd += ["--ckpt_path", "last"]
+    run.cmd(stage, cmd)
+
+
+def feature_tokens(features: Path, fraction: float = 1.0) -> dict:
+    index = json.loads((features / "index.json").read_text())
+    from safetensors import safe_open
+
+    out = {}
+    for split, shards in index["splits"].items():
+        answer = total = 0
+        for sh in shards:
+            with safe_open(str(features / sh["file"]), framework="pt") as f:
+                answer += int(f.get_tensor("loss_mask").sum())
+                total += int((f.get_tensor("doc_ids") >= 0).sum())
+        out[split] = {"answer_tokens": answer, "tokens": total, "conversations": sum(len(s["keys"]) for s in shards)}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--run", default="runs/reference")
+    p.add_argument("--redo", default="", help="comma list of stages to run again, or all")
+    p.add_argument("--synth-prompts", type=int, default=4000, help="prompts the target writes (plus the bundled 228)")
+    p.add_argument("--max-new-tokens", type=int, default=384, help="answer length when distilling")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--dtype", default="float32", help="distill dtype (bfloat16 is faster on CPUs with bf16 units)")
+    p.add_argument("--epochs", type=int, default=None, help="override the config's max_epochs")
+    p.add_argument("--eval-per-domain", type=int, default=12)
+    p.add_argument("--eval-tokens", type=int, default=128)
+    p.add_argument("--trees", default="chain3,small,medium", help="eval modes")
+    p.add_argument("--scaling", default="0.125,0.25,0.5", help="training fractions for the scaling curve ('' = skip)")
+    p.add_argument("--scaling-eval-per-domain", type=int, default=3)
+    p.add_argument("--force", action="store_true", help="package even if the committed head measures better")
+    p.add_argument("--package-dir", default=str(SHIPPED.relative_to(ROOT)),
+                   help="where the packaged head goes (default: the shipped head in the package)")
+    args = p.parse_args()
+    redo = set(STAGES) if args.redo == "all" else {s for s in args.redo.split(",") if s}
+    if redo - set(STAGES):
+        sys.exit(f"reference-head: --redo {sorted(redo - set(STAGES))} unknown: use all or some of {','.join(STAGES)}")
+    root = ROOT / args.run
+    run = Run(root)
+    dh = str(BIN / "draftheads")
+    synth, data, features = root / "data/synth.jsonl", root / "data/train.jsonl", root / "features"
+    head, export, evald, bench = root / "main/head", root / "export", root / "eval", root / "bench"
+    scaling = root / "scaling"
+    outputs = {"synthesize": synth, "distill": data, "train": head, "export": export, "eval": evald / "results.json",
+               "bench": bench / "results.json", "scaling": scaling / "scaling.json", "package": root / "packaged.json"}
+    for s in STAGES[min((STAGES.index(s) for s in redo), default=len(STAGES)):]:
+        redo.add(s)  # a redone stage invalidates the ones after it
+    for s in redo:
+        for target in [outputs[s]] + ([features, root / "main"] if s in ("distill", "train") else []):
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    run.say(f"reference-head: {' '.join(sys.argv[1:]) or '(defaults)'}")
+    if "plain_tok_s" not in run.times:
+        run.times["plain_tok_s"] = round(plain_decode_rate(), 2)
+        run.times_file.write_text(json.dumps(run.times, indent=2))
+    run.say(f"machine: plain decode {run.times['plain_tok_s']:.1f} tok/s at batch 1 (fp32, engine)")
+
+    run.stage("synthesize", synth, lambda: run.cmd("synthesize", [
+        dh, "synthesize", "--num-prompts", str(args.synth_prompts), "--batch-size", str(args.batch_size),
+        "--round-size", str(min(192, 2 * args.synth_prompts)),
+        "--dtype", args.dtype, "--out", str(synth)]))
+    run.stage("distill", data, lambda: run.cmd("distill", [
+        dh, "distill", "--prompts", "bundled:train", str(synth), "--max-new-tokens", str(args.max_new_tokens),
+        "--batch-size", str(args.batch_size), "--dtype", args.dtype, "--features", "eagle3",
+        "--feature-dir", str(features), "--val-fraction", "0.03", "--out", str(data)]))
+    run.stage("train", head, lambda: fit(run, "train", train_config(root, "main", args.epochs)))
+    run.stage("export", export, lambda: run.cmd("export", [
+        dh, "export", "--head", str(head), "--format", "vllm-eagle3", "--out", str(export), "--verifier",
+        "smollm2-135m"]))
+    run.stage("eval", evald / "results.json", lambda: run.cmd("eval", [
+        dh, "eval", "--head", str(head), "--prompts", "bundled:eval", "--limit-per-domain", str(args.eval_per_domain),
+        "--max-new-tokens", str(args.eval_tokens), "--tree", args.trees, "--out", str(evald)]))
+    best = _best_tree(evald)
+    run.stage("bench", bench / "results.json", lambda: run.cmd("bench", [
+        dh, "bench", "--eagle3", str(head), "--tree", best, "--only", "proposers", "--max-new-tokens",
+        str(args.eval_tokens), "--out", str(bench)]))
+    fractions = [float(f) for f in args.scaling.split(",") if f.strip()]
+    run.stage("scaling", outputs["scaling"], lambda: _scaling(run, root, fractions, head, features, args))
+    run.stage("package", outputs["package"], lambda: _package(run, root, head, features, evald, bench, args))
+    run.say("reference-head: all stages done; stage times " + json.dumps(run.times))
+    return 0
+
+
+def _best_tree(evald: Path) -> str:
+    modes = json.loads((evald / "results.json").read_text())["modes"]
+    return max(modes, key=lambda m: modes[m]["overall"]["speedup"])
+
+
+def _scaling(run: Run, root: Path, fractions: list[float], head: Path, features: Path, args) -> None:
+    """Validation accuracy per TTT step and chain-3 tau against training tokens."""
+    dh = str(BIN / "draftheads")
+    points = []
+    for f in sorted(fractions) + [1.0]:
+        name = "main" if f == 1.0 else f"scaling/f{f:g}"
+        h = head if f == 1.0 else root / name / "head"
+        if not h.exists():
+            fit(run, f"scaling {f:g}", train_config(root, name, args.epochs, f))
+        ev = root / name / "eval-chain3"
+        if not (ev / "results.json").exists():
+            run.cmd(f"scaling eval {f:g}", [
+                dh, "eval", "--head", str(h), "--prompts", "bundled:eval", "--limit-per-domain",
+                str(args.scaling_eval_per_domain), "--max-new-tokens", str(args.eval_tokens), "--tree", "chain3",
+                "--out", str(ev)])
+        meta = json.loads((h / "config.json").read_text())
+        res = json.loads((ev / "results.json").read_text())["modes"]["chain3"]["overall"]
+        points.append({"fraction": f, "answer_tokens": int(round(f * feature_tokens(features)["train"]["answer_tokens"])),
+                       "val_acc": meta.get("val_accuracies"), "val_sim_tau": meta.get("val_sim_tau"),
+                       "tau_chain3": res["tau"], "speedup_chain3": res["speedup"]})
+    out = root / "scaling"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scaling.md").write_text(scaling_table(points, args))
+    _plot_scaling(points, out / "scaling.png")
+    (out / "scaling.json").write_text(json.dumps(points, indent=2))
+
+
+def scaling_table(points: list[dict], args) -> str:
+    k = max(len(p["val_acc"] or []) for p in points)
+    lines = [f"chain-3 τ on the bundled eval ({args.scaling_eval_per_domain} prompts per domain, "
+             f"{args.eval_tokens} new tokens, T = 0); validation top-1 per TTT step", "",
+             "| train answer tokens | " + " | ".join(f"val acc@{j + 1}" for j in range(k)) +
+             " | sim τ (val) | τ chain 3 | speedup chain 3 |", "|---" * (k + 4) + "|"]
+    for p in points:
+        acc = " | ".join(f"{a:.3f}" for a in p["val_acc"] or [])
+        lines.append(f"| {p['answer_tokens']:,} | {acc} | {p['val_sim_tau'] or 0:.2f} | {p['tau_chain3']:.2f} | "
+                     f"{p['speedup_chain3']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot_scaling(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    xs = [p["answer_tokens"] for p in points]
+    for j in range(max(len(p["val_acc"] or []) for p in points)):
+        a.plot(xs, [(p["val_acc"] or [0] * (j + 1))[j] for p in points], marker="o", label=f"step {j + 1}")
+    a.set_xscale("log")
+    a.set_xlabel("training answer tokens")
+    a.set_ylabel("validation top-1")
+    a.legend(fontsize=7)
+    b.plot(xs, [p["tau_chain3"] for p in points], marker="o", label="τ chain 3 (eval)")
+    b.plot(xs, [p["val_sim_tau"] or 0 for p in points], marker="s", label="simulated τ (val)")
+    b.set_xscale("log")
+    b.set_xlabel("training answer tokens")
+    b.set_ylabel("τ")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, bench: Path, args) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from draftheads.heads.base import WEIGHTS_NAME
+
+    res = json.loads((evald / "results.json").read_text())
+    tau = res["modes"]["chain3"]["overall"]["tau"]
+    shipped = ROOT / args.package_dir
+    old = shipped / "card.json"
+    if old.is_file() and not args.force:
+        prev = json.loads(old.read_text())["eval"]["chain3"]["tau"]
+        if tau <= prev:
+            run.say(f"package: chain-3 tau {tau:.3f} does not beat the committed head's {prev:.3f}: not replaced "
+                    "(--force to replace it anyway)")
+            (root / "packaged.json").write_text(json.dumps({"packaged": False, "tau": tau, "committed": prev}))
+            return
+    meta = json.loads((head / "config.json").read_text())
+    weights = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v)
+               for k, v in load_file(str(head / WEIGHTS_NAME)).items()}
+    card = {
+        "command": "make reference-head " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine_plain_tok_s": run.times.get("plain_tok_s"),
+        "stage_seconds": {k: v for k, v in run.times.items() if k != "plain_tok_s"},
+        "data": feature_tokens(features),
+        "val": {"accuracies": meta.get("val_accuracies"), "sim_tau": meta.get("val_sim_tau"),
+                "draft_vocab_coverage": meta.get("draft_vocab_coverage"),
+                "draft_vocab_size": meta["config"]["draft_vocab_size"]},
+        "eval": {m: {"tau": v["overall"]["tau"], "alpha": v["overall"]["alpha"], "speedup": v["overall"]["speedup"],
+                     "greedy_mismatches": v["overall"]["greedy_mismatches"],
+                     "domains": {d: x["tau"] for d, x in v["domains"].items()}}
+                 for m, v in res["modes"].items()},
+        "eval_command": res["command"],
+    }
+    bench_res = json.loads((bench / "results.json").read_text())
+    card["bench"] = {"command": bench_res["command"], "proposers": bench_res["proposers"]}
+    scaling = root / "scaling/scaling.md"
+    tmp = root / "package"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"head_type": meta["head_type"]})
+    (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+    (tmp / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+    (tmp / "CARD.md").write_text(card_markdown(card, (evald / "results.md").read_text(),
+                                               (bench / "results.md").read_text(),
+                                               scaling.read_text() if scaling.is_file() else ""))
+    if shipped.exists():
+        shutil.rmtree(shipped)
+    shipped.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(tmp, shipped)
+    size = (shipped / WEIGHTS_NAME).stat().st_size / 2**20
+    run.say(f"package: wrote {args.package_dir} ({size:.1f} MB), chain-3 tau {tau:.3f}")
+    (root / "packaged.json").write_text(json.dumps({"packaged": True, "tau": tau, "mb": size}))
+
+
+def card_markdown(card: dict, eval_md: str, bench_md: str, scaling_md: str) -> str:
+    d = card["data"]
+    times = ", ".join(f"{k} {v / 60:.1f} min" for k, v in card["stage_seconds"].items())
+    val = card["val"]
+    acc = " / ".join(f"{a:.3f}" for a in val["accuracies"] or [])
+    cov = val["draft_vocab_coverage"] or {}
+    lines = [
+        "# smollm2-135m-eagle3: the reference EAGLE-3 head for SmolLM2-135M-Instruct", "",
+        f"Built by `{card['command'].strip()}` on {card['date']}; load it with `--head reference`.", "",
+        f"- machine: plain decode {card['machine_plain_tok_s']:.1f} tok/s at batch 1 (fp32, engine); stage times: {times}",
+        f"- data: {d['train']['conversations']:,} train conversations, {d['train']['answer_tokens']:,} answer tokens "
+        f"({d['train']['tokens']:,} with prompts); val {d.get('val', {}).get('conversations', 0):,} conversations, "
+        f"{d.get('val', {}).get('answer_tokens', 0):,} answer tokens; all written by the target itself",
+        f"- validation: top-1 per TTT step {acc}; simulated τ {val['sim_tau'] or 0:.2f}; draft vocabulary "
+        f"{val['draft_vocab_size']} tokens covering {100 * (cov.get('train') or 0):.1f}% of train and "
+        f"{100 * (cov.get('val') or 0):.1f}% of validation targets", "",
+        "## Eval (bundled eval prompts, T = 0, batch 1; mode per row)", "", eval_md.strip(), "",
+        "## Bench (side by side in one run)", "", bench_md.strip(), "",
+    ]
+    if scaling_md:
+        lines += ["## Data scaling", "", scaling_md.strip(), ""]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
