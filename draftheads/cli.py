@@ -247,9 +247,12 @@ def cmd_bench(args) -> int:
         prompts = [encode_chat(tok, [{"role": "user", "content": p.turns[0]}], name=args.target)
                    for p in load_prompts(args.prompts, limit_per_domain=args.limit_per_domain)]
         proposers = {"ngram": make_proposer(target, proposer="ngram")}
+        tree = args.tree or "medium"
         for name, head in (("medusa", args.medusa), ("eagle", args.eagle), ("eagle3", args.eagle3)):
-            if head:
-                proposers[name] = make_proposer(target, head=head, tree=args.tree)
+            if head:  # each head in its tree mode and in vLLM's serving mode, a chain of 3
+                proposers[f"{name} ({tree})"] = make_proposer(target, head=head, tree=tree)
+                if tree != "chain3":
+                    proposers[f"{name} (chain3)"] = make_proposer(target, head=head, tree="chain3")
     if "verify" in parts:
         from draftheads.inference.profile import verify_curve
 

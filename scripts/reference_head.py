@@ -179,7 +179,7 @@ def main() -> int:
         "--dtype", args.dtype, "--out", str(synth)]))
     run.stage("distill", data, lambda: run.cmd("distill", [
         dh, "distill", "--prompts", "bundled:train", str(synth), "--max-new-tokens", str(args.max_new_tokens),
-        "--batch-size", str(args.batch_size), "--dtype", args.dtype, "--features", "eagle3",
+        "--batch-size", str(args.batch_size), "--dtype", args.dtype, "--max-seq-len", "1024", "--features", "eagle3",
         "--feature-dir", str(features), "--val-fraction", "0.03", "--out", str(data)]))
     run.stage("train", head, lambda: fit(run, "train", train_config(root, "main", args.epochs)))
     run.stage("export", export, lambda: run.cmd("export", [
@@ -290,7 +290,7 @@ def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, benc
     weights = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v)
                for k, v in load_file(str(head / WEIGHTS_NAME)).items()}
     card = {
-        "command": "make reference-head " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python scripts/reference_head.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d"),
         "machine_plain_tok_s": run.times.get("plain_tok_s"),
         "stage_seconds": {k: v for k, v in run.times.items() if k != "plain_tok_s"},

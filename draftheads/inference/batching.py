@@ -24,6 +24,7 @@ from draftheads.inference.kv_cache import PagedKVCache
 from draftheads.inference.proposers.base import RequestState
 from draftheads.inference.sampling import SamplingParams, sample_next
 from draftheads.inference.tree import Tree
+from draftheads.training.losses import linear_argmax
 
 
 @dataclass
@@ -125,10 +126,8 @@ class ContinuousBatcher:
                     for i, h in stored.items():
                         row.feats.setdefault(i, []).append(h[s:e])
                     am = torch.empty(e - s, dtype=torch.long)
-                    if e - s > 1:
-                        from draftheads.training.losses import linear_argmax
-
-                        am[:-1] = linear_argmax(hidden[self.last][s: e - 1], lm_head.to(hidden[self.last].dtype)).cpu()
+                    if e - s > 1:  # prompt positions: the logits were not kept, project their last state
+                        am[:-1] = linear_argmax(hidden[self.last][s: e - 1], lm_head).cpu()
                     am[-1] = int(logits[n].argmax())
                     row.argmax.append(am)
                 if row.closing or not self._step(row, logits[n]):

@@ -75,6 +75,12 @@ _ANSWER_STARTS = ("sure", "certainly", "of course", "i'm sorry", "i am sorry", "
 _SPECIAL = re.compile(r"<\|[a-z_]+\|>")
 
 
+def _whole_sentences(text: str) -> str:
+    """``text`` up to its last sentence end (``.``, ``!`` or ``?``); empty if it has none."""
+    ends = [m.end() for m in re.finditer(r"[.!?](?=\s|$)", text)]
+    return text[: ends[-1]] if ends else ""
+
+
 def is_request(text: str) -> bool:
     """A user turn that asks for something (question or instruction), not an answer or chatter."""
     low = text.strip().lower()
@@ -142,7 +148,7 @@ class SynthConfig:
     top_p: float = 0.95
     max_prompt_tokens: int = 160
     """Longest user turn written (longer candidates are unfinished and dropped)."""
-    passage_tokens: int = 200
+    passage_tokens: int = 120
     answer_tokens: int = 256
     """Answer length before a follow-up turn is written."""
     min_words: int = 4
@@ -235,9 +241,10 @@ class Synthesizer:
         answer_of = dict(answers)
         for i, (c, _) in enumerate(jobs):
             text, ok = answer_of[i]
-            if c in wrap:
-                c["turns"] = [self._wrap(c["domain"], text, rng)] if ok and text.strip() else c["turns"]
-                c["finished"] = ok and bool(text.strip())
+            if c in wrap:  # a passage cut at its budget still serves, up to its last full sentence
+                passage = text if ok else _whole_sentences(text)
+                wrapped = self._wrap(c["domain"], passage, rng) if passage.strip() else ""
+                c["turns"], c["finished"] = [wrapped], bool(wrapped)
             else:
                 c["answer"] = text if ok else None
         # phase 3: follow-up user turns after the target's own answer

@@ -96,3 +96,11 @@ def test_synthesize_needs_a_chat_template(tmp_path):
     assert not list(tmp_path.glob("p.jsonl*"))
     with pytest.raises(DraftheadsError, match="--domains"):
         SynthConfig(domains=("poetry",))
+
+
+def test_cut_passages_end_at_a_sentence():
+    from draftheads.training.synthesize import _whole_sentences
+
+    assert _whole_sentences("One. Two three! Four fi") == "One. Two three!"
+    assert _whole_sentences("Pi is 3.14 here. And then") == "Pi is 3.14 here."
+    assert _whole_sentences("no end at all") == ""
