@@ -228,7 +228,7 @@ def cmd_bench(args) -> int:
 
     from draftheads import evaluation
     from draftheads.bench import speed
-    from draftheads.inference.build import make_proposer
+    from draftheads.inference.build import DEFAULT_TREE, make_proposer
     from draftheads.prompts import encode_chat, load_prompts
     from draftheads.targets import load_target
     from draftheads.utils import atomic_write_json, atomic_write_text
@@ -247,7 +247,7 @@ def cmd_bench(args) -> int:
         prompts = [encode_chat(tok, [{"role": "user", "content": p.turns[0]}], name=args.target)
                    for p in load_prompts(args.prompts, limit_per_domain=args.limit_per_domain)]
         proposers = {"ngram": make_proposer(target, proposer="ngram")}
-        tree = args.tree or "medium"
+        tree = args.tree or DEFAULT_TREE
         for name, head in (("medusa", args.medusa), ("eagle", args.eagle), ("eagle3", args.eagle3)):
             if head:  # each head in its tree mode and in vLLM's serving mode, a chain of 3
                 proposers[f"{name} ({tree})"] = make_proposer(target, head=head, tree=tree)

@@ -46,6 +46,32 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def read_jsonl_prefix(path: str | os.PathLike) -> list[dict]:
+    """The records of a jsonl file being appended to; a torn last line (a crash mid-write) is dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def refuse_changed_settings(old: dict, new: dict, partial: str | os.PathLike) -> None:
+    """A resume must use the settings the interrupted run started with."""
+    if old != new:
+        from draftheads.errors import DraftheadsError
+
+        diff = sorted(k for k in new.keys() | old.keys() if old.get(k) != new.get(k))
+        raise DraftheadsError(
+            f"{partial} was started with other settings ({', '.join(diff)}): rerun with the same settings "
+            "to resume, or delete it to start over"
+        )
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -68,14 +68,9 @@ def reference_installed() -> bool:
 
 
 def answer_tokens(features: Path) -> int:
-    from safetensors import safe_open
+    from draftheads.training.features import FeatureDataset
 
-    index = json.loads((features / "index.json").read_text())
-    total = 0
-    for sh in index["splits"]["train"]:
-        with safe_open(str(features / sh["file"]), framework="pt") as f:
-            total += int(f.get_tensor("loss_mask").sum())
-    return total
+    return sum(int(m.sum()) for m in FeatureDataset(features, "train").column("loss_mask"))
 
 
 def head_rows(rows: list[tuple[str, Path]]) -> str:

@@ -115,18 +115,16 @@ def fit(run: Run, stage: str, config: Path) -> None:
     run.cmd(stage, cmd)
 
 
-def feature_tokens(features: Path, fraction: float = 1.0) -> dict:
-    index = json.loads((features / "index.json").read_text())
-    from safetensors import safe_open
+def feature_tokens(features: Path) -> dict:
+    """Per split of a feature cache: conversations, answer (loss-masked) tokens and all tokens."""
+    from draftheads.training.features import FeatureDataset
 
     out = {}
-    for split, shards in index["splits"].items():
-        answer = total = 0
-        for sh in shards:
-            with safe_open(str(features / sh["file"]), framework="pt") as f:
-                answer += int(f.get_tensor("loss_mask").sum())
-                total += int((f.get_tensor("doc_ids") >= 0).sum())
-        out[split] = {"answer_tokens": answer, "tokens": total, "conversations": sum(len(s["keys"]) for s in shards)}
+    for split in ("train", "val"):
+        ds = FeatureDataset(features, split)
+        out[split] = {"answer_tokens": sum(int(m.sum()) for m in ds.column("loss_mask")),
+                      "tokens": sum(int((d >= 0).sum()) for d in ds.column("doc_ids")),
+                      "conversations": sum(len(sh["keys"]) for sh in ds.shards)}
     return out
 
 
@@ -207,6 +205,7 @@ def _best_tree(evald: Path) -> str:
 def _scaling(run: Run, root: Path, fractions: list[float], head: Path, features: Path, args) -> None:
     """Validation accuracy per TTT step and chain-3 tau against training tokens."""
     dh = str(BIN / "draftheads")
+    train_answer_tokens = feature_tokens(features)["train"]["answer_tokens"]
     points = []
     for f in sorted(fractions) + [1.0]:
         name = "main" if f == 1.0 else f"scaling/f{f:g}"
@@ -221,7 +220,7 @@ def _scaling(run: Run, root: Path, fractions: list[float], head: Path, features:
                 "--out", str(ev)])
         meta = json.loads((h / "config.json").read_text())
         res = json.loads((ev / "results.json").read_text())["modes"]["chain3"]["overall"]
-        points.append({"fraction": f, "answer_tokens": int(round(f * feature_tokens(features)["train"]["answer_tokens"])),
+        points.append({"fraction": f, "answer_tokens": int(round(f * train_answer_tokens)),
                        "val_acc": meta.get("val_accuracies"), "val_sim_tau": meta.get("val_sim_tau"),
                        "tau_chain3": res["tau"], "speedup_chain3": res["speedup"]})
     out = root / "scaling"

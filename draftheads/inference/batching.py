@@ -13,7 +13,7 @@ itself; the last sampled token is fed once more so that its features exist too.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -52,13 +52,13 @@ class Finished:
 class _Row:
     conv: Conversation
     state: RequestState
+    region: range  # the KV blocks this row owns until it finishes
     pending: list[int]
     turn: int = 0
     answer_start: int = 0
     answers: list[list[int]] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
-    fed: int = 0
     feats: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     argmax: list[torch.Tensor] = field(default_factory=list)
     closing: bool = False  # the last token is being fed for its features only
@@ -86,13 +86,11 @@ class ContinuousBatcher:
         self.feature_dtype = feature_dtype
         self.last = engine.num_layers  # final-norm hidden state, for the target's argmax
         self.tokens_generated = 0
-        self.forwards = 0
 
     def _layers(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.capture) | {self.last})) if self.capture else ()
 
-    def run(self, conversations: Iterable[Conversation], on_finish: Callable[[Finished], None] | None = None,
-            progress: Callable[[int], None] | None = None) -> Iterator[Finished]:
+    def run(self, conversations: Iterable[Conversation]) -> Iterator[Finished]:
         """Yield each conversation as it finishes (completion order, not input order)."""
         eng, bs = self.engine, self.batch_size
         blocks_per_row = -(-self.max_seq_len // eng.config.block_size) + 1
@@ -115,13 +113,11 @@ class ContinuousBatcher:
             ends = list(itertools.accumulate(len(t) for t in trees))
             logits, hidden = eng.forward(cache, [r.state for r in rows], trees, self._layers(),
                                          keep=[e - 1 for e in ends])
-            self.forwards += 1
             stored = {i: h.to(self.feature_dtype) for i, h in hidden.items() if i in self.capture}
             still = []
             for n, row in enumerate(rows):
                 s, e = ends[n] - len(trees[n]), ends[n]
                 cache.truncate(row.state.rid, cache.length(row.state.rid) + (e - s))
-                row.fed += e - s
                 if self.capture:
                     for i, h in stored.items():
                         row.feats.setdefault(i, []).append(h[s:e])
@@ -131,18 +127,12 @@ class ContinuousBatcher:
                     am[-1] = int(logits[n].argmax())
                     row.argmax.append(am)
                 if row.closing or not self._step(row, logits[n]):
-                    free_regions.append(range(cache.seqs[row.state.rid].blocks[0],
-                                              cache.seqs[row.state.rid].blocks[0] + blocks_per_row))
+                    free_regions.append(row.region)
                     cache.release(row.state.rid)
-                    out = self._finish(row)
-                    if on_finish:
-                        on_finish(out)
-                    yield out
+                    yield self._finish(row)
                 else:
                     still.append(row)
             rows = still
-            if progress:
-                progress(self.tokens_generated)
 
     # ------------------------------------------------------------------ per row
 
@@ -158,7 +148,7 @@ class ContinuousBatcher:
         gen = torch.Generator(device="cpu").manual_seed(conv.params.seed)
         state = RequestState(rid, len(first), list(first), conv.params, gen)
         cache.add(rid, region)  # a contiguous region per row: attention reads its K/V without a gather
-        return _Row(conv, state, list(first), answer_start=len(first), mask=[0] * len(first))
+        return _Row(conv, state, region, list(first), answer_start=len(first), mask=[0] * len(first))
 
     def _budget(self, row: _Row) -> int:
         """New tokens this turn may still take (the turn's max, and the sequence's room)."""

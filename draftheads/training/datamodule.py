@@ -89,19 +89,21 @@ class ChatDataModule(L.LightningDataModule):
         for draft vocabularies."""
         self.setup()
         ds = self.train_set if split == "train" else self.val_set
+        key = "loss_mask" if masked else "doc_ids"
+
+        def counted(ids, marks):  # loss-masked tokens, or every real (non-padding) token
+            return ids[marks.bool() if masked else marks >= 0]
+
         rows = None
         if isinstance(ds, torch.utils.data.Subset) and isinstance(ds.dataset, FeatureDataset):
             rows = torch.tensor(ds.indices)
             ds = ds.dataset
         if isinstance(ds, FeatureDataset):
-            key = "loss_mask" if masked else "doc_ids"
             ids, marks = torch.cat(list(ds.column("input_ids"))), torch.cat(list(ds.column(key)))
             if rows is not None:
                 ids, marks = ids[rows], marks[rows]
-            return token_counts([ids[marks.bool() if masked else marks >= 0]], vocab_size)
-        pairs = ((torch.as_tensor(r["input_ids"]), torch.as_tensor(r["loss_mask"] if masked else r["doc_ids"]))
-                 for r in ds)
-        return token_counts((i[m.bool() if masked else m >= 0] for i, m in pairs), vocab_size)
+            return token_counts([counted(ids, marks)], vocab_size)
+        return token_counts((counted(torch.as_tensor(r["input_ids"]), torch.as_tensor(r[key])) for r in ds), vocab_size)
 
     def _loader(self, ds, shuffle: bool):
         trainer = self.trainer

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -31,7 +32,7 @@ from draftheads.inference.engine import Engine
 from draftheads.inference.sampling import SamplingParams
 from draftheads.prompts import Prompt, encode_chat, render_chat
 from draftheads.targets import check_layer_ids
-from draftheads.utils import atomic_write_json, atomic_write_text
+from draftheads.utils import atomic_write_json, atomic_write_text, read_jsonl_prefix, refuse_changed_settings
 
 _SENTINEL = "\u2063draftheads-answer\u2063"
 
@@ -76,19 +77,6 @@ def _prompts_digest(prompts: list[Prompt]) -> str:
     return h.hexdigest()[:16]
 
 
-def _read_partial(path: Path) -> list[dict]:
-    """Records of ``path``; a torn last line (a crash mid-write) is dropped."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return out
-
-
 def distill(
     target, prompts: list[Prompt], out: str | os.PathLike, max_new_tokens: int = 256, temperature: float = 0.0,
     batch_size: int = 32, seed: int = 0, top_p: float = 1.0, max_seq_len: int | None = None,
@@ -101,9 +89,8 @@ def distill(
         raise DraftheadsError(f"--batch-size {batch_size} must be >= 1")
     if not prompts:
         raise DraftheadsError("no prompts to distill: check --prompts and --domains")
-    ids = [p.id for p in prompts]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
+    dup = next((i for i, n in Counter(p.id for p in prompts).items() if n > 1), None)
+    if dup is not None:
         raise DraftheadsError(f"prompt id {dup!r} appears more than once: give every prompt its own id")
     if (features is None) != (feature_dir is None):
         raise DraftheadsError("--features and --feature-dir go together: give both, or neither")
@@ -123,13 +110,7 @@ def distill(
     partial = out.with_name(out.name + ".partial")
     meta = out.with_name(out.name + ".partial.json")
     if meta.is_file():
-        old = json.loads(meta.read_text())
-        if old != settings:
-            diff = sorted(k for k in settings if old.get(k) != settings[k])
-            raise DraftheadsError(
-                f"{partial} was started with other settings ({', '.join(diff)}): rerun with the same settings "
-                "to resume, or delete it to start over"
-            )
+        refuse_changed_settings(json.loads(meta.read_text()), settings, partial)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(meta, settings)
 
@@ -140,9 +121,9 @@ def distill(
         writer = FeatureShardWriter(feature_dir, info.name, layers, info.hidden_size, max_seq_len, shard_rows,
                                     feature_dtype, settings)
         done = writer.done_keys
-        kept = [r for r in _read_partial(partial) if r["id"] in done]
+        kept = [r for r in read_jsonl_prefix(partial) if r["id"] in done]
     else:
-        kept = _read_partial(partial)
+        kept = read_jsonl_prefix(partial)
         done = {r["id"] for r in kept}
     atomic_write_text(partial, "".join(json.dumps(r) + "\n" for r in kept))
 

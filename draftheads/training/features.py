@@ -14,6 +14,7 @@ interrupted writer resumes after its last committed shard.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from pathlib import Path
@@ -227,8 +228,6 @@ class FeatureDataset(torch.utils.data.Dataset):
         return self._handles[s]
 
     def __getitem__(self, i):
-        import bisect
-
         s = bisect.bisect_right(self.offsets, i) - 1
         r = i - self.offsets[s]
         f = self._shard(s)

@@ -28,7 +28,7 @@ from draftheads.inference.batching import ContinuousBatcher, Conversation
 from draftheads.inference.engine import Engine
 from draftheads.inference.sampling import SamplingParams
 from draftheads.prompts import render_chat
-from draftheads.utils import atomic_write_json, atomic_write_text
+from draftheads.utils import atomic_write_json, atomic_write_text, read_jsonl_prefix, refuse_changed_settings
 
 # Openings of the user turn per domain ("" = unsteered). Passage requests feed summarization and
 # translation, whose prompts wrap the target's own passage in an instruction.
@@ -192,27 +192,27 @@ def user_prefix(tokenizer, history: list[dict], name: str = "target") -> str:
 
 
 class Synthesizer:
-    def __init__(self, target, config: SynthConfig, progress=print):
-        self.target, self.cfg, self.say = target, config, progress
+    def __init__(self, target, config: SynthConfig):
+        self.target, self.cfg = target, config
         self.tok = target.tokenizer
         user_prefix(self.tok, [], target.info.name)  # fails early without a chat template
         self.engine = Engine(target.model, self.tok)
         self.batcher = ContinuousBatcher(self.engine, config.batch_size)
 
-    def _generate(self, texts: list[str], max_new: int, seed: int, temperature=None) -> list[tuple[str, bool]]:
-        """(continuation, finished) per rendered text, batched."""
+    def _generate(self, texts: list[str], max_new: list[int], seed: int, temperature=None) -> list[tuple[str, bool]]:
+        """(continuation, finished) per rendered text, each with its own token budget, in one batched run."""
         t = self.cfg.temperature if temperature is None else temperature
         convs = [Conversation(i, [self.tok(x, add_special_tokens=False).input_ids],
-                              SamplingParams(temperature=t, top_p=self.cfg.top_p, max_new_tokens=max_new,
-                                             seed=seed + i))
-                 for i, x in enumerate(texts)]
+                              SamplingParams(temperature=t, top_p=self.cfg.top_p, max_new_tokens=n, seed=seed + i))
+                 for i, (x, n) in enumerate(zip(texts, max_new))]
         out: dict[int, tuple[str, bool]] = {}
         for f in self.batcher.run(convs):
             out[f.key] = (self.tok.decode(f.answers[0], skip_special_tokens=True), not f.truncated[0])
         return [out[i] for i in range(len(texts))]
 
     def _user_turns(self, prefixes: list[str], openers: list[str], seed: int) -> list[tuple[str, bool]]:
-        cont = self._generate([p + o for p, o in zip(prefixes, openers)], self.cfg.max_prompt_tokens, seed)
+        cont = self._generate([p + o for p, o in zip(prefixes, openers)], [self.cfg.max_prompt_tokens] * len(openers),
+                              seed)
         return [((o + c).strip(), done) for o, (c, done) in zip(openers, cont)]
 
     def round(self, r: int, wanted: dict[str, int]) -> list[dict]:
@@ -233,14 +233,8 @@ class Synthesizer:
                  and rng.random() < cfg.multi_turn]
         jobs = [(c, cfg.passage_tokens) for c in wrap] + [(c, cfg.answer_tokens) for c in multi]
         texts = [render_chat(self.tok, [{"role": "user", "content": c["turns"][0]}], name=name) for c, _ in jobs]
-        answers = []
-        for n in sorted({m for _, m in jobs}):  # one batch per length budget
-            idx = [i for i, (_, m) in enumerate(jobs) if m == n]
-            for i, a in zip(idx, self._generate([texts[i] for i in idx], n, seed + 50_000 + n, temperature=0.0)):
-                answers.append((i, a))
-        answer_of = dict(answers)
-        for i, (c, _) in enumerate(jobs):
-            text, ok = answer_of[i]
+        answers = self._generate(texts, [n for _, n in jobs], seed + 50_000, temperature=0.0)
+        for (c, _), (text, ok) in zip(jobs, answers):
             if c in wrap:  # a passage cut at its budget still serves, up to its last full sentence
                 passage = text if ok else _whole_sentences(text)
                 wrapped = self._wrap(c["domain"], passage, rng) if passage.strip() else ""
@@ -282,22 +276,11 @@ def synthesize(target, out: str | os.PathLike, config: SynthConfig | None = None
     settings["target"] = target.info.name
     state = {"settings": settings, "round": 0, "stats": {}}
     if meta.is_file():
-        old = json.loads(meta.read_text())
-        if old["settings"] != settings:
-            diff = sorted(k for k in settings if old["settings"].get(k) != settings[k])
-            raise DraftheadsError(f"{partial} was started with other settings ({', '.join(diff)}): rerun with the "
-                                  "same settings to resume, or delete it to start over")
-        state = old
-    synth = Synthesizer(target, cfg, progress)
+        state = json.loads(meta.read_text())
+        refuse_changed_settings(state["settings"], settings, partial)
+    synth = Synthesizer(target, cfg)
     dedup = Deduper(cfg.dedup_threshold)
-    kept: list[dict] = []
-    if partial.is_file():
-        for line in partial.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                break  # a torn last line
-            kept.append(rec)
+    kept = read_jsonl_prefix(partial)
     kept = kept[: state.get("kept", len(kept))]  # lines past the last finished round are redone
     for rec in kept:
         dedup.check(rec["turns"][0])
@@ -323,7 +306,7 @@ def synthesize(target, out: str | os.PathLike, config: SynthConfig | None = None
         for c in synth.round(r, wanted):
             d = c["domain"]
             stats.candidates[d] += 1
-            why = _reject(c, cfg, target.tokenizer) or dedup.check(c["turns"][0])
+            why = _reject(c, cfg) or dedup.check(c["turns"][0])
             if why is None and have[d] + sum(1 for x in new if x["domain"] == d) >= share[d]:
                 why = "quota_full"
             if why:
@@ -349,7 +332,7 @@ def synthesize(target, out: str | os.PathLike, config: SynthConfig | None = None
     return out
 
 
-def _reject(c: dict, cfg: SynthConfig, tokenizer) -> str | None:
+def _reject(c: dict, cfg: SynthConfig) -> str | None:
     text = c["turns"][0]
     if not c["finished"] or not text:
         return "unfinished"
