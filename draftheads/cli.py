@@ -28,7 +28,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from draftheads.inference.build import make_proposer
+    from draftheads.inference.build import make_engine, make_proposer
     from draftheads.inference.engine import Engine
     from draftheads.inference.sampling import SamplingParams
     from draftheads.prompts import encode_chat
@@ -37,25 +37,20 @@ def cmd_generate(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
     target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
-    proposer = make_proposer(target, args.head, args.proposer, args.tree)
+    proposer = make_proposer(target, args.head, args.proposer)
+    engine = make_engine(target, proposer, args.tree)
     tok = target.tokenizer
     ids = encode_chat(tok, [{"role": "user", "content": args.prompt}], name=args.target)
-    policy = switch = None
-    if args.tree == "auto" and proposer:
-        from draftheads.inference.build import make_policy
-
-        policy, switch = make_policy(proposer, args.target, str(target.model.device))
-    engine = Engine(target.model, tok, proposer, policy=policy, switch=switch)
     engine.generate([ids[:8]], SamplingParams(max_new_tokens=2))  # warm-up
     (out,) = engine.generate([ids], params)
     print(tok.decode(out.token_ids, skip_special_tokens=True))
     m = out.metrics
-    name = proposer.name if proposer else "plain"
+    name = f"{proposer.name}, {engine.mode}" if proposer else "plain"
     line = f"[{name}] {m.emitted_tokens} tokens in {m.wall_time_s:.2f} s = {m.tokens_per_s:.1f} tok/s"
     if proposer:
         line += f"; {m.line()}"
-    if policy is not None:
-        line += f"; auto tree: {policy.best() or 'plain'}"
+    if engine.policy is not None:
+        line += f"; auto: {m.drafts}/{m.target_forwards} steps drafted, best arm {engine.policy.best(1) or 'plain'}"
     if args.compare_plain and proposer:
         (plain,) = Engine(target.model, tok, None).generate([ids], params)
         line += (f"; plain {plain.metrics.tokens_per_s:.1f} tok/s; speedup "
@@ -209,9 +204,9 @@ def cmd_eval(args) -> int:
     modes = [m.strip() for m in args.tree.split(",") if m.strip()]
     if not modes or len(set(modes)) != len(modes):
         raise DraftheadsError(f"--tree {args.tree!r}: give one or more distinct modes, e.g. chain3,medium")
-    proposers = {m: make_proposer(target, args.head, args.proposer, m) for m in modes}
-    results = evaluation.evaluate(target, proposers, prompts, params, args.batch_size, auto_tree="auto" in modes)
-    name = next(iter(proposers.values())).name
+    proposer = make_proposer(target, args.head, args.proposer)
+    results = evaluation.evaluate(target, proposer, modes, prompts, params, args.batch_size)
+    name = proposer.name
     meta = {"command": "draftheads " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
             "target": args.target, "head": args.head, "proposer": name, "tree": modes,
             "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
@@ -228,7 +223,8 @@ def cmd_bench(args) -> int:
 
     from draftheads import evaluation
     from draftheads.bench import speed
-    from draftheads.inference.build import DEFAULT_TREE, make_proposer
+    from draftheads.inference.build import make_proposer
+    from draftheads.inference.tree import DEFAULT_TREE
     from draftheads.prompts import encode_chat, load_prompts
     from draftheads.targets import load_target
     from draftheads.utils import atomic_write_json, atomic_write_text
@@ -246,13 +242,15 @@ def cmd_bench(args) -> int:
         tok = target.tokenizer
         prompts = [encode_chat(tok, [{"role": "user", "content": p.turns[0]}], name=args.target)
                    for p in load_prompts(args.prompts, limit_per_domain=args.limit_per_domain)]
-        proposers = {"ngram": make_proposer(target, proposer="ngram")}
         tree = args.tree or DEFAULT_TREE
+        ngram = make_proposer(target, proposer="ngram")
+        proposers = {f"ngram ({tree})": (ngram, tree if tree == "auto" else "chain4")}
         for name, head in (("medusa", args.medusa), ("eagle", args.eagle), ("eagle3", args.eagle3)):
-            if head:  # each head in its tree mode and in vLLM's serving mode, a chain of 3
-                proposers[f"{name} ({tree})"] = make_proposer(target, head=head, tree=tree)
+            if head:  # each head in the tree mode asked for and in vLLM's serving mode, a chain of 3
+                proposer = make_proposer(target, head=head)
+                proposers[f"{name} ({tree})"] = (proposer, tree)
                 if tree != "chain3":
-                    proposers[f"{name} (chain3)"] = make_proposer(target, head=head, tree="chain3")
+                    proposers[f"{name} (chain3)"] = (proposer, "chain3")
     if "verify" in parts:
         from draftheads.inference.profile import verify_curve
 
@@ -305,9 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--head", default=None, help="head directory (train-head or draftheads import output)")
     p.add_argument("--proposer", default=None, help="head-less proposer: ngram")
-    p.add_argument("--tree", default=None,
-                   help="auto | small | medium | large | chainK | static-tree JSON file (Medusa); auto picks the tree "
-                        "(or plain decoding) with the best measured throughput")
+    p.add_argument("--tree", default="auto",
+                   help="auto (default) | small | medium | large | chainK | static-tree JSON file (Medusa); auto "
+                        "picks plain decoding or a tree each step by measured throughput")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -404,9 +402,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--limit-per-domain", type=int, default=None)
-    p.add_argument("--tree", default="chain3,medium",
-                   help="comma list of modes, each measured against the same plain run: chainK (vLLM serves a "
-                        "chain of K), small | medium | large (trees), auto, or a static-tree file (Medusa)")
+    p.add_argument("--tree", default="auto,chain3",
+                   help="comma list of modes, each measured against the same plain run: auto (plain or a tree "
+                        "each step, by measured speed), chainK (vLLM serves a chain of K), small | medium | large "
+                        "(trees) or a static-tree file (Medusa)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", required=True)
@@ -422,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-tokens", type=int, default=32, help="new tokens per row in the batch sweep")
     p.add_argument("--batches", default="1,2,4,8,16")
-    p.add_argument("--tree", default=None)
+    p.add_argument("--tree", default="auto", help="mode of each head beside chain3: auto (default) or a tree")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--datagen-batch", type=int, default=64, help="batch of the datagen part (2x as many prompts)")
     p.add_argument("--only", default=None, help="comma list of: verify, proposers, batch, memory, datagen")

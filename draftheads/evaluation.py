@@ -51,23 +51,20 @@ def _progress(done: int, total: int, t0: float, label: str) -> None:
         print(file=sys.stderr)
 
 
-def evaluate(target, proposers: dict, prompts: list[Prompt], params: SamplingParams, batch_size: int = 1,
-             label: str = "eval", progress: bool = True, auto_tree: bool = False) -> dict[str, list[PromptResult]]:
-    """Run plain decoding and each ``{mode: proposer}`` on ``prompts`` in batches; returns per-mode,
-    per-prompt results (the plain timings are shared by all modes)."""
+def evaluate(target, proposer, modes: list[str], prompts: list[Prompt], params: SamplingParams, batch_size: int = 1,
+             label: str = "eval", progress: bool = True) -> dict[str, list[PromptResult]]:
+    """Run plain decoding and ``proposer`` in each mode (``auto``, a tree name or file) on ``prompts`` in
+    batches; returns per-mode, per-prompt results (the plain timings are shared by all modes)."""
+    from draftheads.inference.build import make_engine
+
     tok = target.tokenizer
     engines = {"plain": Engine(target.model, tok, None)}
-    for mode, proposer in proposers.items():
-        policy = switch = None
-        if auto_tree and mode == "auto":
-            from draftheads.inference.build import make_policy
-
-            policy, switch = make_policy(proposer, target.info.name, str(target.model.device))
-        engines[mode] = Engine(target.model, tok, proposer, policy=policy, switch=switch)
+    for mode in modes:
+        engines[mode] = make_engine(target, proposer, mode)
     warm = tok("warm up", add_special_tokens=False).input_ids or [0]
     for engine in engines.values():
         engine.generate([warm], SamplingParams(max_new_tokens=2))
-    results = {m: {p.id: PromptResult(p.id, p.domain) for p in prompts} for m in proposers}
+    results = {m: {p.id: PromptResult(p.id, p.domain) for p in prompts} for m in modes}
     histories: dict[str, list[dict]] = {p.id: [] for p in prompts}
     total = sum(len(p.turns) for p in prompts)
     done, t0, shift = 0, time.perf_counter(), 0
@@ -86,7 +83,7 @@ def evaluate(target, proposers: dict, prompts: list[Prompt], params: SamplingPar
             for name in order:
                 outs[name] = engines[name].generate(ids, [SamplingParams(**{**params.__dict__, "seed": params.seed + i})
                                                           for i in range(len(ids))])
-            for mode in proposers:
+            for mode in modes:
                 for p, po, so in zip(batch, outs["plain"], outs[mode]):
                     r = results[mode][p.id]
                     r.plain_wall_s += po.metrics.wall_time_s / len(batch)
@@ -102,7 +99,7 @@ def evaluate(target, proposers: dict, prompts: list[Prompt], params: SamplingPar
             done += len(batch)
             if progress:
                 _progress(done, total, t0, label)
-    return {m: [results[m][p.id] for p in prompts] for m in proposers}
+    return {m: [results[m][p.id] for p in prompts] for m in modes}
 
 
 def summarize(results: list[PromptResult]) -> dict:

@@ -133,7 +133,7 @@ def main() -> int:
     stage("export", [dh, "export", "--head", str(head), "--format", "vllm-eagle3", "--out", str(export),
                      "--verifier", "smollm2-135m"])
     eval_args = ["--prompts", "bundled:eval", "--limit-per-domain", str(args.eval_per_domain), "--max-new-tokens",
-                 str(args.eval_tokens), "--tree", "chain3,small"]
+                 str(args.eval_tokens), "--tree", "auto,chain3"]
     stage("eval", [dh, "eval", "--head", str(head), *eval_args, "--out", str(evald)])
     reference = evald.parent / "eval-reference"
     if reference_installed() and not (ROOT / reference / "results.json").exists():

@@ -92,8 +92,8 @@ def vllm_acceptance(counters: dict, k: int) -> tuple[float, list[float]]:
     return 1.0 + counters["num_accepted_tokens"] / drafts, [a / drafts for a in per_pos]
 
 
-def run_ours(target, proposer, prompts: list[list[int]], n: int) -> dict:
-    engine = Engine(target.model, target.tokenizer, proposer)
+def run_ours(target, proposer, tree: str | None, prompts: list[list[int]], n: int) -> dict:
+    engine = Engine(target.model, target.tokenizer, proposer, tree=tree)
     engine.generate([prompts[0][:16]], SamplingParams(max_new_tokens=4))  # warm-up
     params = SamplingParams(max_new_tokens=n)
     m, rows = SpecMetrics(), []
@@ -143,7 +143,7 @@ def main() -> int:
 
     vplain = run_vllm(args.vllm_python, tdir, prompt_file, args.max_tokens, out / "vllm" / "plain.json")
     say("ours: plain ...")
-    ours_plain = run_ours(target, None, ids, args.max_tokens)
+    ours_plain = run_ours(target, None, None, ids, args.max_tokens)
     cross = sum(a == r["token_ids"] for a, r in zip(ours_plain["token_ids"], vplain["rows"]))
     res = {"command": "python scripts/vllm_check.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "machine": machine(), "target": args.target, "k": args.k, "max_tokens": args.max_tokens,
@@ -168,7 +168,7 @@ def main() -> int:
         v_tau, v_pos = vllm_acceptance(vspec["counters"], args.k)
         if kind not in ours:  # vllm-eagle3 and speculators share one head
             say(f"ours: {kind} chain{args.k} and small tree ...")
-            ours[kind] = tuple(run_ours(target, make_proposer(target, head=heads[kind], tree=t), ids, args.max_tokens)
+            ours[kind] = tuple(run_ours(target, make_proposer(target, head=heads[kind]), t, ids, args.max_tokens)
                                for t in (f"chain{args.k}", "small"))
         chain, tree = ours[kind]
         best = max(((f"chain{args.k}", chain), ("small", tree)), key=lambda x: x[1]["tok_s"])

@@ -43,9 +43,9 @@ def test_bench_parts_on_tiny_target(tiny_llama_dir, tmp_path, capsys):
                  "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
     assert set(res["verify_curve"]) == {"1", "2", "4", "8", "16", "32", "64"}
-    assert {"plain", "hf_generate", "hf_prompt_lookup", "ngram"} <= set(res["proposers"])
+    assert {"plain", "hf_generate", "hf_prompt_lookup", "ngram (auto)"} <= set(res["proposers"])
     assert res["proposers"]["plain"]["ratio_vs_plain"] == 1.0
-    assert set(res["batch_sweep"]["ngram"]) == {"1", "2"}
+    assert set(res["batch_sweep"]["ngram (auto)"]) == {"1", "2"}
     assert (out / "verify_curve.png").is_file() and (out / "batch_sweep.png").is_file()
 
 

@@ -114,8 +114,8 @@ def bench_attention(device="cuda", batches=(1, 8, 32), trees=(16, 64), contexts=
 def bench_engine(model, batches=(1, 8, 32), rates=(0.8, 0.6, 0.4), prompt_len=128, new_tokens=64,
                  progress=print) -> dict:
     """Plain vs speculative (synthetic acceptance) tokens/s of the engine per batch size."""
-    from draftheads.inference.engine import Engine
-    from draftheads.inference.proposers.synthetic import SyntheticProposer
+    from draftheads.inference.engine import Engine, EngineConfig
+    from draftheads.inference.proposers.random_draft import RandomProposer
     from draftheads.inference.sampling import SamplingParams
 
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -124,8 +124,9 @@ def bench_engine(model, batches=(1, 8, 32), rates=(0.8, 0.6, 0.4), prompt_len=12
     for b in batches:
         prompts = [torch.randint(vocab, (prompt_len,)).tolist() for _ in range(b)]
         res = {}
-        for name, proposer in (("plain", None), ("spec", SyntheticProposer(list(rates)))):
-            engine = Engine(model, proposer=proposer)
+        synthetic = EngineConfig(verifier="synthetic", synthetic_rates=tuple(rates))
+        for name, proposer in (("plain", None), ("spec", RandomProposer(vocab))):
+            engine = Engine(model, proposer=proposer, config=synthetic, tree=f"chain{len(rates)}")
             engine.generate([p[:8] for p in prompts[:1]], SamplingParams(max_new_tokens=2))
             t0 = time.perf_counter()
             outs = engine.generate(prompts, params)

@@ -42,11 +42,14 @@ def _hf_generate(model, ids, n, prompt_lookup: int | None = None):
 
 
 def proposer_speeds(target, proposers: dict, prompts: list[list[int]], n: int, progress=print) -> dict:
-    """Tokens/s per method on the same prompts at batch 1; ratio to our plain decode."""
+    """Tokens/s per method on the same prompts at batch 1; ratio to our plain decode.
+    ``proposers``: {name: (proposer, tree mode)}."""
+    from draftheads.inference.build import make_engine
+
     model = target.model
     params = SamplingParams(max_new_tokens=n, stop_at_eos=False)
     engines = {"plain": Engine(model, target.tokenizer, None)}
-    engines.update({name: Engine(model, target.tokenizer, p) for name, p in proposers.items()})
+    engines.update({name: make_engine(target, p, tree) for name, (p, tree) in proposers.items()})
     methods = list(engines) + ["hf_generate", "hf_prompt_lookup"]
     wall = dict.fromkeys(methods, 0.0)
     tokens = dict.fromkeys(methods, 0)
@@ -83,15 +86,19 @@ def proposer_speeds(target, proposers: dict, prompts: list[list[int]], n: int, p
 
 def batch_sweep(target, proposers: dict, prompts: list[list[int]], n: int, batches=(1, 2, 4, 8, 16),
                 progress=print) -> dict:
-    """Speedup of each proposer over plain decoding at each batch size (same prompts, alternating)."""
+    """Speedup of each proposer over plain decoding at each batch size (same prompts, alternating).
+    ``proposers``: {name: (proposer, tree mode)}; one engine per proposer serves every batch size, as a
+    server would (``auto`` keeps its measurements per batch size)."""
+    from draftheads.inference.build import make_engine
+
     model = target.model
     params = SamplingParams(max_new_tokens=n, stop_at_eos=False)
     plain = Engine(model, target.tokenizer, None)
+    engines = {name: make_engine(target, p, tree) for name, (p, tree) in proposers.items()}
     out: dict = {name: {} for name in proposers}
     for b in batches:
         rows = [prompts[i % len(prompts)] for i in range(b)]
-        for name, prop in proposers.items():
-            spec = Engine(model, target.tokenizer, prop)
+        for name, spec in engines.items():
             times = {"plain": 0.0, "spec": 0.0}
             for rep in range(2):
                 for which, eng in ((("plain", plain), ("spec", spec)) if rep == 0 else (("spec", spec), ("plain", plain))):

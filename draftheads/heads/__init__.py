@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+from dataclasses import dataclass
 
 from draftheads.errors import DraftheadsError
 from draftheads.heads.base import build_config, read_head_dir, save_head_dir
@@ -11,14 +13,37 @@ from draftheads.heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_
 from draftheads.heads.layers import LayerSpec
 from draftheads.heads.medusa import MedusaConfig, MedusaHeads
 
-HEAD_TYPES = {
-    "medusa": (MedusaConfig, MedusaHeads),
-    "eagle": (EagleConfig, EagleHead),
-    "eagle3": (Eagle3Config, Eagle3Head),
+
+@dataclass(frozen=True)
+class HeadFamily:
+    """One head family: its config and module, and (by import path, loaded when first used, so that the
+    heads package never imports the engine) the proposer that drafts with it."""
+
+    config: type
+    module: type
+    proposer_path: str
+
+    @property
+    def proposer(self) -> type:
+        mod, name = self.proposer_path.split(":")
+        return getattr(importlib.import_module(mod), name)
+
+
+FAMILIES = {
+    "medusa": HeadFamily(MedusaConfig, MedusaHeads, "draftheads.inference.proposers.medusa:MedusaProposer"),
+    "eagle": HeadFamily(EagleConfig, EagleHead, "draftheads.inference.proposers.eagle:EagleProposer"),
+    "eagle3": HeadFamily(Eagle3Config, Eagle3Head, "draftheads.inference.proposers.eagle3:Eagle3Proposer"),
 }
+HEAD_TYPES = {name: (f.config, f.module) for name, f in FAMILIES.items()}
+
+
+def family(head_type: str) -> HeadFamily:
+    if head_type not in FAMILIES:
+        raise DraftheadsError(f"head_type {head_type!r} is unknown: expected one of {sorted(FAMILIES)}")
+    return FAMILIES[head_type]
 
 __all__ = [
-    "HEAD_TYPES", "EagleConfig", "EagleHead", "Eagle3Config", "Eagle3Head", "LayerSpec", "MedusaConfig",
+    "FAMILIES", "HEAD_TYPES", "HeadFamily", "family", "EagleConfig", "EagleHead", "Eagle3Config", "Eagle3Head", "LayerSpec", "MedusaConfig",
     "MedusaHeads", "default_aux_layer_ids", "load_head", "save_head", "check_head_fits_target",
 ]
 

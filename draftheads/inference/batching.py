@@ -111,8 +111,8 @@ class ContinuousBatcher:
                 return
             trees = [Tree(r.pending, [-1] + list(range(len(r.pending) - 1))) for r in rows]
             ends = list(itertools.accumulate(len(t) for t in trees))
-            logits, hidden = eng.forward(cache, [r.state for r in rows], trees, self._layers(),
-                                         keep=[e - 1 for e in ends])
+            node_logits, hidden = eng.forward(cache, [r.state for r in rows], trees, self._layers())
+            logits = node_logits.rows([e - 1 for e in ends])
             stored = {i: h.to(self.feature_dtype) for i, h in hidden.items() if i in self.capture}
             still = []
             for n, row in enumerate(rows):

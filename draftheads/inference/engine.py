@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -14,10 +14,19 @@ from draftheads.errors import DraftheadsError
 from draftheads.inference.attention import PagedStep, StepCache, cache_argument, paged_attention
 from draftheads.inference.kv_cache import PagedKVCache
 from draftheads.inference.metrics import SpecMetrics
+from draftheads.inference.policy import AutoTree, RequestSwitch
 from draftheads.inference.proposers.base import Proposer, RequestState
-from draftheads.inference.sampling import SamplingParams, sample_next, target_probs
-from draftheads.inference.tree import Tree, ancestor_mask, depths
-from draftheads.inference.verify import VerifyResult, verify_greedy, verify_sampled
+from draftheads.inference.sampling import SamplingParams, sample_next
+from draftheads.inference.tree import (
+    DEFAULT_TREE,
+    MAX_TREE_TOKENS,
+    Tree,
+    TreeSpec,
+    ancestor_mask,
+    depths,
+    parse_tree,
+)
+from draftheads.inference.verify import VERIFIERS, NodeLogits
 from draftheads.targets import capture_hidden_states, decoder_parts
 
 
@@ -36,27 +45,57 @@ class EngineConfig:
     """Tokens per KV block."""
     kv_blocks: int | None = None
     """Blocks in the cache (default: enough for the batch's prompts, outputs and trees)."""
-    max_tree_tokens: int = 128
+    max_tree_tokens: int = MAX_TREE_TOKENS
     """Largest tree (root included) a proposer may return."""
     use_triton: bool | None = None
     """Triton attention kernels: None = on CUDA only, True/False = force."""
+    verifier: str = "exact"
+    """``exact`` (lossless: greedy or rejection sampling per request) or ``synthetic`` (acceptance by
+    ``synthetic_rates`` whatever the tokens, for speed measurements on random-weight targets)."""
+    synthetic_rates: tuple[float, ...] = ()
+    """Per-position acceptance probabilities of the synthetic verifier."""
+    lazy_lm_head: bool = True
+    """Project the final hidden states through the lm_head only at the nodes verification reads."""
+
+    def __post_init__(self):
+        if self.verifier not in VERIFIERS:
+            raise DraftheadsError(f"verifier {self.verifier!r} is unknown: use one of {', '.join(VERIFIERS)}")
 
 
-@dataclass
-class _Batch:
-    states: list[RequestState]
-    trees: list[Tree] = field(default_factory=list)
+def _plain_head(model) -> bool:
+    """True when the target's logits are its lm_head's plain projection (no soft-capping or scaling)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head = model.get_output_embeddings()
+    return (isinstance(head, torch.nn.Linear) and head.bias is None
+            and getattr(cfg, "final_logit_softcapping", None) is None and getattr(cfg, "logit_scale", None) is None)
 
 
 class Engine:
+    """``tree``: ``auto`` (the default: :class:`AutoTree` chooses plain decoding or one of the proposer's
+    trees each step by measured speed, and a per-request switch turns drafting off where it does not
+    pay), a tree name or file (always speculate with it), or a :class:`TreeSpec`. ``policy``: a
+    prepared :class:`AutoTree` (e.g. seeded with the verify curve of ``draftheads profile``)."""
+
     def __init__(self, model, tokenizer=None, proposer: Proposer | None = None, config: EngineConfig | None = None,
-                 eos_token_ids=None, policy=None, switch=None):
+                 eos_token_ids=None, tree: str | TreeSpec | None = None, policy: AutoTree | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.proposer = proposer
-        self.policy = policy  # AutoTree: which tree (or plain) per step, from measured throughput
-        self.switch = switch  # RequestSwitch: per-request speculation off when it cannot pay
         self.config = config or EngineConfig()
+        tree = DEFAULT_TREE if tree is None else tree
+        self.policy = self.switch = self.tree = None
+        if proposer is not None:
+            if policy is not None or tree == "auto":
+                self.policy = policy or AutoTree({n: parse_tree(n) for n in proposer.auto_trees})
+                self.switch = RequestSwitch()
+                for t in self.policy.trees.values():
+                    proposer.check_tree(t)
+            else:
+                self.tree = tree if isinstance(tree, TreeSpec) else parse_tree(tree)
+                proposer.check_tree(self.tree)
+                if self.tree.total_tokens > self.config.max_tree_tokens:
+                    raise DraftheadsError(f"tree {self.tree.label} has {self.tree.total_tokens} tokens, more than "
+                                          f"max_tree_tokens={self.config.max_tree_tokens}: use a smaller tree")
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = cfg.num_hidden_layers
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -64,8 +103,10 @@ class Engine:
         self.max_positions = getattr(cfg, "max_position_embeddings", 1 << 30)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self._cache_arg = cache_argument(model)
         decoder_parts(model)  # fails early on unsupported architectures
+        self._lazy = self.config.lazy_lm_head and _plain_head(model)
+        self._runner = model.get_decoder() if self._lazy else model
+        self._cache_arg = cache_argument(self._runner)
         if eos_token_ids is None:
             eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
             if eos is None and tokenizer is not None:
@@ -74,12 +115,22 @@ class Engine:
         self.eos = set(eos_token_ids)
         use = self.config.use_triton
         self.use_triton = (self.device.type == "cuda") if use is None else use
+        if self.config.verifier == "synthetic":
+            self.verifier = VERIFIERS["synthetic"](self.config.synthetic_rates)
+        else:
+            self.verifier = VERIFIERS["exact"](fused=self.use_triton)
+        self.steps = 0  # engine steps over all generate calls (the per-request switch counts in them)
+
+    @property
+    def mode(self) -> str:
+        """What this engine does each step: plain, auto or the fixed tree's name."""
+        return "plain" if self.proposer is None else "auto" if self.policy else self.tree.label
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, cache: PagedKVCache, states, trees: list[Tree], layer_ids, keep: list[int] | None = None):
-        """One target forward over every row's tree; returns (logits [total_q or len(keep), V],
-        hidden {id: [total_q, H]}). ``keep``: flattened query indices whose logits are needed."""
+    def forward(self, cache: PagedKVCache, states, trees: list[Tree], layer_ids) -> tuple[NodeLogits, dict]:
+        """One target forward over every row's tree (rows' nodes flattened in order); returns the
+        logits at every node, projected on demand, and the captured hidden states {id: [total_q, H]}."""
         ids, pos, write, row_slots, masks, starts, prefix, ranges = [], [], [], [], [], [0], [], []
         for st, tree in zip(states, trees):
             start = cache.length(st.rid)
@@ -101,13 +152,13 @@ class Engine:
         )
         input_ids = torch.tensor([ids], device=self.device)
         position_ids = torch.tensor([pos], device=self.device)
+        kw = {self._cache_arg: StepCache(step)}
         with torch.no_grad(), paged_attention(self.model), capture_hidden_states(self.model, layer_ids) as found:
-            out = self.model(
-                input_ids=input_ids, position_ids=position_ids, use_cache=True,
-                logits_to_keep=0 if keep is None else torch.tensor(keep, device=self.device),
-                **{self._cache_arg: StepCache(step)}, paged_step=step,
-            )
-        return out.logits[0], {i: h[0] for i, h in found.items()}
+            out = self._runner(input_ids=input_ids, position_ids=position_ids, use_cache=True, paged_step=step, **kw)
+        hidden = {i: h[0] for i, h in found.items()}
+        if self._lazy:
+            return NodeLogits(out.last_hidden_state[0], self.model.get_output_embeddings().weight), hidden
+        return NodeLogits(full=out.logits[0]), hidden
 
     # ------------------------------------------------------------------ generation
 
@@ -153,46 +204,42 @@ class Engine:
         # prefill: each prompt is a chain; all committed; the first token comes from the last position
         trees = [Tree(list(st.tokens), [-1] + list(range(len(st.tokens) - 1))) for st in states]
         ends = list(itertools.accumulate(len(t) for t in trees))
-        logits, hidden = self.forward(cache, states, trees, layer_ids, keep=[e - 1 for e in ends])
+        logits, hidden = self.forward(cache, states, trees, layer_ids)
+        last = logits.rows([e - 1 for e in ends])
         off = 0
         for row, st in enumerate(states):
             n = len(st.tokens)
             cache.truncate(st.rid, n)
-            first = sample_next(logits[row], st.params, st.generator)
-            self._emit(st, [first])
+            self._emit(st, [sample_next(last[row], st.params, st.generator)])
             if self.proposer:
                 self.proposer.start(st, {i: h[off: off + n] for i, h in hidden.items()})
             off += n
-        step = 0
         while True:
             live = [st for st in states if not st.done]
             if not live:
                 break
-            step += 1
+            self.steps += 1
             t_step = time.perf_counter()
-            arm = self._choose_arm()
-            for st in live:
-                if self.switch:
-                    self.switch.maybe_probe(st, step)
-            trees = [self._propose(st, plain=arm is None) for st in live]
+            arm, tree = self._choose(live)
+            trees = [self._propose(st, tree) for st in live]
             logits, hidden = self.forward(cache, live, trees, layer_ids)
-            before = {st.rid: len(st.tokens) for st in live}
-            fused = self._verify_fused(live, trees, logits)
+            results = self.verifier.verify(live, trees, logits)
+            emitted = []
             off = 0
-            for row, (st, tree) in enumerate(zip(live, trees)):
-                n = len(tree)
-                res = fused[row] if fused else self._verify(st, tree, logits[off: off + n])
+            for st, t, res in zip(live, trees, results):
                 cache.commit(st.rid, res.path)
-                drafted = n - 1
-                if drafted:
-                    st.metrics.record_draft(tree.depth, len(res.accepted), draft_tokens=drafted)
+                if len(t) > 1:
+                    st.metrics.record_draft(t.depth, len(res.accepted), draft_tokens=len(t) - 1)
                 st.metrics.target_forwards += 1
+                before = len(st.tokens)
                 self._emit(st, res.tokens)
+                emitted.append(len(st.tokens) - before)
                 if self.proposer and not st.done:
                     path = torch.tensor(res.path, device=self.device) + off
                     self.proposer.observe(st, {i: h[path] for i, h in hidden.items()}, len(res.path))
-                off += n
-            self._after_step(arm, live, before, time.perf_counter() - t_step, step, trees)
+                off += len(t)
+            if self.policy:
+                self._credit(arm, live, trees, emitted, time.perf_counter() - t_step)
             if progress:
                 progress(sum(len(st.generated) for st in states))
         wall = time.perf_counter() - t0
@@ -207,76 +254,32 @@ class Engine:
             outputs.append(GenerationOutput(st.rid, st.tokens[: st.prompt_len], st.generated, st.metrics, reason))
         return outputs
 
-    def _choose_arm(self):
-        if self.policy is None or self.proposer is None:
-            return "fixed"
-        arm = self.policy.choose()
+    def _choose(self, live: list[RequestState]) -> tuple[str | None, TreeSpec | None]:
+        """This step's arm and tree (None = plain decoding)."""
+        if self.policy is None:
+            return None, self.tree
+        arm = self.policy.choose(len(live))
         if arm is not None:
-            self.proposer.set_tree(arm)
-        return arm
+            for st in live:
+                self.switch.maybe_probe(st, self.steps)
+        return arm, self.policy.trees.get(arm)
 
-    def _after_step(self, arm, live, before, seconds, step, trees) -> None:
-        if self.policy is None or self.proposer is None:
-            return
-        emitted = {st.rid: len(st.tokens) - before[st.rid] for st in live}
-        self.policy.update(arm, sum(emitted.values()), seconds)
-        ratio = self.policy.cost_ratio(arm)
-        if self.switch and ratio is not None:
-            for st, tree in zip(live, trees):
-                if len(tree) > 1 and not st.done:
-                    self.switch.observe(st, emitted[st.rid], step, ratio)
+    def _credit(self, arm, live, trees, emitted, seconds) -> None:
+        """The step goes to the arm that actually ran: plain when no row drafted."""
+        ran = arm if any(len(t) > 1 for t in trees) else None
+        self.policy.update(ran, len(live), sum(emitted), seconds, sum(len(t) for t in trees))
+        ratio = self.policy.cost_ratio(ran, len(live))
+        if ratio is not None:
+            for st, t, n in zip(live, trees, emitted):
+                if len(t) > 1 and not st.done:
+                    self.switch.observe(st, n, self.steps, ratio)
 
-    def _propose(self, st: RequestState, plain: bool = False) -> Tree:
-        if self.proposer is None or not st.speculate or plain:
+    def _propose(self, st: RequestState, tree: TreeSpec | None) -> Tree:
+        if tree is None or not st.speculate:
             return Tree([st.root], [-1])
-        tree = self.proposer.propose(st)
-        if tree.tokens[0] != st.root:
+        out = self.proposer.propose(st, tree)
+        if out.tokens[0] != st.root:
             raise RuntimeError(f"proposer {self.proposer.name} returned a tree not rooted at the last token")
-        if len(tree) > self.config.max_tree_tokens:
-            raise DraftheadsError(f"tree of {len(tree)} tokens exceeds max_tree_tokens={self.config.max_tree_tokens}")
-        return tree
-
-    def _verify_fused(self, live, trees, logits) -> list[VerifyResult] | None:
-        """Triton path: the greedy walk of every row in one launch (greedy rows, real drafts only)."""
-        if not self.use_triton or getattr(self.proposer, "name", None) == "synthetic" \
-                or not all(st.params.greedy for st in live) or max(len(t) for t in trees) == 1:
-            return None
-        from draftheads.kernels.verify import greedy_verify
-
-        width = max(len(t) for t in trees)
-        argmax = logits.argmax(-1).to(torch.int32)
-        tokens = torch.full((len(trees), width), -1, dtype=torch.int32)
-        parents = torch.full((len(trees), width), -2, dtype=torch.int32)
-        am = torch.full((len(trees), width), -1, dtype=torch.int32, device=self.device)
-        off = 0
-        for r, t in enumerate(trees):
-            tokens[r, : len(t)] = torch.tensor(t.tokens, dtype=torch.int32)
-            parents[r, : len(t)] = torch.tensor(t.parents, dtype=torch.int32)
-            am[r, : len(t)] = argmax[off: off + len(t)]
-            off += len(t)
-        sizes = torch.tensor([len(t) for t in trees], dtype=torch.int32, device=self.device)
-        acc, count = greedy_verify(tokens.to(self.device), parents.to(self.device), am, sizes)
-        acc, count, am = acc.cpu(), count.cpu(), am.cpu()
-        out = []
-        for r, t in enumerate(trees):
-            nodes = acc[r, : int(count[r])].tolist()
-            last = nodes[-1] if nodes else 0
-            out.append(VerifyResult(nodes, [t.tokens[i] for i in nodes] + [int(am[r, last])]))
+        if len(out) > self.config.max_tree_tokens:
+            raise DraftheadsError(f"tree of {len(out)} tokens exceeds max_tree_tokens={self.config.max_tree_tokens}")
         return out
-
-    def _verify(self, st: RequestState, tree: Tree, logits: torch.Tensor) -> VerifyResult:
-        if getattr(self.proposer, "name", None) == "synthetic" and len(tree) > 1:
-            n = self.proposer.accepted_length()  # speed measurements only: acceptance by given rates
-            return VerifyResult(list(range(1, n + 1)), tree.tokens[1: n + 1] + [int(logits[n].argmax())])
-        if st.params.greedy:
-            return verify_greedy(tree, logits.argmax(-1).tolist())
-        return verify_sampled(tree, target_probs(logits, st.params), st.generator)
-
-
-def aggregate(outputs: list[GenerationOutput]) -> SpecMetrics:
-    total = SpecMetrics()
-    for o in outputs:
-        total = total.merge(o.metrics)
-    if outputs:
-        total.wall_time_s = max(o.metrics.wall_time_s for o in outputs)
-    return total

@@ -88,7 +88,7 @@ class PagedKVCache:
         if need > len(self.free):
             raise BlocksExhausted(
                 f"KV cache exhausted: sequence {seq_id} needs {need} more blocks of {self.block_size} tokens and "
-                f"{len(self.free)} are free: raise --kv-blocks, lower the batch size or --max-new-tokens"
+                f"{len(self.free)} are free: lower the batch size or --max-new-tokens (or give EngineConfig.kv_blocks more blocks)"
             )
         seq.blocks.extend(self.free.pop() for _ in range(need))
 

@@ -1,97 +1,199 @@
-"""Choosing how much to speculate, from measurements on this machine.
+"""Speculating only where it pays, from measurements on this machine (``--tree auto``).
 
-* :class:`AutoTree` (``--tree auto``): the candidate trees (and plain decoding) are arms; each step
-  records tokens emitted per second of wall time for the arm used, and the arm with the best running
-  rate is chosen, with periodic re-exploration. The verify-cost curve from ``draftheads profile``
-  (when present) orders the first exploration by the expected rate tau / t(tree size).
-* Per-request switch: a request whose running acceptance says speculation cannot pay for its extra
-  verify cost (expected tau below the measured spec/plain step-time ratio) decodes plainly for a
-  while, then probes again. At large batch the verify cost grows with the query tokens, the ratio
-  rises, and speculation turns itself off.
+The algorithm, per engine and across its ``generate`` calls:
+
+* **Arms**: plain decoding and the proposer's trees (``Proposer.auto_trees``), cheapest first. Every
+  measurement is kept per batch-size bucket (1, 2, 4, 8, ...), since what pays at batch 1 may not at 16.
+* **Measurement**: a step is credited to the arm that actually ran -- a step in which no row drafted
+  (every request switched off) is a plain step -- with the tokens it emitted and its wall time, draft
+  work included. Token counts decay by ``decay`` per step of that bucket, chosen or not (a window of
+  about ``1 / (1 - decay)`` steps), so old measurements fade.
+* **Choice**: the arm with the best rate: decayed mean tokens per step over the median of its last
+  nine step times (a step stalled by other work on the machine does not move the median).
+* **Exploration**: an arm is measured for ``explore_steps`` steps before it can be compared, cheapest
+  first. When an explored arm runs below ``prune`` times plain decoding, the larger trees are not
+  explored in that round: they cost more per step and, with the same drafter, accept little more.
+* **Probe schedule**: every arm that is not the best is tried for one step after ``probe_after``
+  steps; each probe it loses doubles its wait (up to ``max_probe_after``), a win resets it.
+* **Large batch**: from the step times measured at each number of query tokens (the verify curve,
+  seeded by ``draftheads profile`` where it was run), an arm is skipped when even its best case,
+  every drafted token accepted, cannot beat plain decoding: (depth + 1) * t(batch) < t(batch * tree).
+* **Per request** (:class:`RequestSwitch`): while the batch speculates, a request whose running tokens
+  per step stays below the measured step-time ratio of the arm to plain decoding decodes plainly for
+  ``off_steps`` steps, then probes again. Its state lives on the request.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from draftheads.inference.proposers.base import RequestState
+from draftheads.inference.tree import TreeSpec
 
 
 @dataclass
 class ArmStats:
-    tokens: float = 0.0
-    seconds: float = 0.0
+    tokens: float = 0.0  # decayed tokens emitted
     weight: float = 0.0  # decayed step count
-    steps: int = 0
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+    times: deque = field(default_factory=lambda: deque(maxlen=9))  # wall seconds of its last steps
+    steps: int = 0  # steps ever run
+    probe_after: int = 0
+    next_probe: int = 0
 
     @property
     def step_time(self) -> float:
-        return self.seconds / self.weight if self.weight else 0.0
+        """Median of the last step times: one step stalled by the machine does not move it."""
+        return statistics.median(self.times) if self.times else 0.0
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second: decayed mean tokens per step over the median step time."""
+        return self.tokens / self.weight / self.step_time if self.weight and self.step_time > 0 else 0.0
+
+    def decay(self, f: float) -> None:
+        self.tokens *= f
+        self.weight *= f
+
+
+def _bucket(batch: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(batch, 1))))
+
+
+@dataclass
+class CostCurve:
+    """Decayed mean step time by number of query tokens in the forward (power-of-two buckets)."""
+
+    decay: float = 0.98
+    points: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [seconds sum, weight]
+
+    def seed(self, ms_by_tokens: dict[int, float]) -> None:
+        for n, ms in ms_by_tokens.items():
+            self.points[_bucket(n)] = [ms / 1000, 1.0]
+
+    def add(self, tokens: int, seconds: float) -> None:
+        p = self.points.setdefault(_bucket(tokens), [0.0, 0.0])
+        p[0] = p[0] * self.decay + seconds
+        p[1] = p[1] * self.decay + 1
+
+    def estimate(self, tokens: int) -> float | None:
+        """Seconds of a step of ``tokens`` query tokens: interpolated, or extrapolated along the line
+        through the two nearest measured sizes; None with fewer than two."""
+        known = sorted((n, s / w) for n, (s, w) in self.points.items() if w > 0)
+        if len(known) < 2:
+            return None
+        lo = [p for p in known if p[0] <= tokens]
+        hi = [p for p in known if p[0] >= tokens]
+        (n0, t0), (n1, t1) = (lo[-1], hi[0]) if lo and hi and lo[-1] != hi[0] else \
+            ((known[-2], known[-1]) if not hi else (known[0], known[1]) if not lo else (lo[-1], lo[-1]))
+        if n0 == n1:
+            return t0
+        return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
 
 
 @dataclass
 class AutoTree:
-    arms: list[str | None]  # tree names; None = plain decoding
-    explore_steps: int = 3  # steps per arm before exploiting
-    reexplore_every: int = 40
-    decay: float = 0.95  # exponential forgetting of old measurements
-    prior: dict[str | None, float] = field(default_factory=dict)  # expected rate from the profile curve
-    stats: dict = field(default_factory=dict)
-    step: int = 0
+    trees: dict[str, TreeSpec]  # arm name -> tree, cheapest first; plain decoding is the arm None
+    explore_steps: int = 2
+    decay: float = 0.98
+    prune: float = 0.8
+    probe_after: int = 32
+    max_probe_after: int = 1024
+    curve: CostCurve = field(default_factory=CostCurve)
+    stats: dict[int, dict[str | None, ArmStats]] = field(default_factory=dict)  # batch bucket -> arm -> stats
+    steps: dict[int, int] = field(default_factory=dict)
 
-    def __post_init__(self):
-        self.stats = {a: ArmStats() for a in self.arms}
-        self.arms = sorted(self.arms, key=lambda a: -self.prior.get(a, 0.0))
+    @property
+    def arms(self) -> list[str | None]:
+        return [None, *self.trees]
 
-    def choose(self) -> str | None:
-        self.step += 1
-        for a in self.arms:
-            if self.stats[a].steps < self.explore_steps:
+    def _stats(self, b: int) -> dict[str | None, ArmStats]:
+        if b not in self.stats:
+            self.stats[b] = {a: ArmStats(probe_after=self.probe_after) for a in self.arms}
+            self.steps[b] = 0
+        return self.stats[b]
+
+    def can_pay(self, arm: str | None, batch: int) -> bool:
+        """False when, by the measured curve, even full acceptance cannot beat plain decoding."""
+        if arm is None:
+            return True
+        tree = self.trees[arm]
+        plain, spec = self.curve.estimate(batch), self.curve.estimate(batch * tree.total_tokens)
+        return plain is None or spec is None or (tree.depth + 1) * plain >= spec
+
+    def choose(self, batch: int) -> str | None:
+        """The arm for the next step of a batch of ``batch`` rows."""
+        stats = self._stats(_bucket(batch))
+        step = self.steps[_bucket(batch)] + 1
+        arms = [a for a in self.arms if self.can_pay(a, batch) and step >= stats[a].next_probe]
+        for a in arms:  # exploration, cheapest first
+            if stats[a].steps < self.explore_steps:
                 return a
-        if self.step % self.reexplore_every == 0:
-            return min(self.arms, key=lambda a: self.stats[a].steps)
-        return max(self.arms, key=lambda a: self.stats[a].rate)
+        best = self.best(batch)
+        for a in arms:  # a probe of an arm that is not the best, when its wait is over
+            if a != best:
+                return a
+        return best
 
-    def update(self, arm: str | None, tokens: int, seconds: float) -> None:
-        s = self.stats[arm]
-        s.tokens = s.tokens * self.decay + tokens
-        s.seconds = s.seconds * self.decay + seconds
-        s.weight = s.weight * self.decay + 1
+    def update(self, arm: str | None, batch: int, tokens: int, seconds: float, query_tokens: int) -> None:
+        """Credit one step to the arm that ran (None when no row drafted)."""
+        b = _bucket(batch)
+        stats = self._stats(b)
+        self.steps[b] += 1
+        step = self.steps[b]
+        for s in stats.values():
+            s.decay(self.decay)
+        s = stats[arm]
+        s.tokens += tokens
+        s.times.append(seconds)
+        s.weight += 1
         s.steps += 1
+        self.curve.add(query_tokens, seconds)
+        if s.steps < self.explore_steps:
+            return
+        plain = stats[None]
+        if arm is not None and s.steps == self.explore_steps and plain.steps and s.rate < self.prune * plain.rate:
+            names = list(self.trees)
+            for a in names[names.index(arm) + 1:]:  # larger trees wait for their probes
+                if stats[a].steps < self.explore_steps:
+                    stats[a].next_probe = step + stats[a].probe_after
+        if arm == self.best(batch):
+            s.probe_after = self.probe_after
+        elif s.steps > self.explore_steps:
+            s.probe_after = min(2 * s.probe_after, self.max_probe_after)
+        s.next_probe = step + s.probe_after
 
-    def cost_ratio(self, arm: str | None) -> float | None:
-        """Measured step time of ``arm`` over plain decoding's (None until both were measured)."""
-        plain, spec = self.stats.get(None), self.stats.get(arm)
-        if arm is None or plain is None or spec is None or not plain.weight or not spec.weight:
+    def best(self, batch: int = 1) -> str | None:
+        stats = self._stats(_bucket(batch))
+        measured = [a for a in self.arms if stats[a].steps]
+        return max(measured, key=lambda a: stats[a].rate) if measured else None
+
+    def cost_ratio(self, arm: str | None, batch: int) -> float | None:
+        """Measured step time of ``arm`` over plain decoding's at this batch (None until both ran)."""
+        stats = self._stats(_bucket(batch))
+        plain, spec = stats[None], stats.get(arm)
+        if arm is None or spec is None or not plain.weight or not spec.weight:
             return None
         return spec.step_time / plain.step_time
-
-    def best(self) -> str | None:
-        return max(self.arms, key=lambda a: self.stats[a].rate)
 
 
 @dataclass
 class RequestSwitch:
-    """Turns speculation off for a request whose running tau cannot beat ``cost_ratio``."""
+    """Turns speculation off for a request whose running tokens per step cannot beat ``cost_ratio``."""
 
     ema: float = 0.8
     off_steps: int = 16
-    tau: dict[int, float] = field(default_factory=dict)
-    off_until: dict[int, int] = field(default_factory=dict)
 
     def observe(self, st: RequestState, tokens_emitted: int, step: int, cost_ratio: float) -> None:
-        t = self.tau.get(st.rid, float(tokens_emitted))
-        t = self.ema * t + (1 - self.ema) * tokens_emitted
-        self.tau[st.rid] = t
-        if t < cost_ratio:
+        t = float(tokens_emitted) if st.spec_tau is None else st.spec_tau
+        st.spec_tau = self.ema * t + (1 - self.ema) * tokens_emitted
+        if st.spec_tau < cost_ratio:
             st.speculate = False
-            self.off_until[st.rid] = step + self.off_steps
+            st.plain_until = step + self.off_steps
 
     def maybe_probe(self, st: RequestState, step: int) -> None:
-        if not st.speculate and step >= self.off_until.get(st.rid, 0):
+        if not st.speculate and step >= st.plain_until:
             st.speculate = True
-            self.tau.pop(st.rid, None)
+            st.spec_tau = None

@@ -1,5 +1,5 @@
-"""Verify-cost curve: time of one target forward with K query tokens (a chain) after a prefix, on this
-machine, through the engine's own paged-attention path."""
+"""Verify-cost curve: time of one target forward with K query tokens (a chain) after a prefix, with the
+logits of all K, on this machine, through the engine's own paged-attention path."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def verify_curve(model, ks=DEFAULT_KS, prefix: int = 256, repeats: int = 5, batc
             trees = [Tree([st.root] + torch.randint(vocab, (k - 1,), generator=gen).tolist(), chain_parents(k - 1))
                      for st in states]
             t0 = time.perf_counter()
-            engine.forward(cache, states, trees, ())
+            logits, _ = engine.forward(cache, states, trees, ())
+            logits.all()  # every query token's logits, as a full verification of a K-node tree reads
             if engine.device.type == "cuda":
                 torch.cuda.synchronize()
             if rep:  # the first repeat warms up

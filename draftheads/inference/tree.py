@@ -140,39 +140,96 @@ def default_rank_accept(depth: int, top_k: int, first: float = 0.6, decay: float
     return [[first * decay**d * 0.5**r for r in range(top_k)] for d in range(depth)]
 
 
-NAMED_SHAPES = {
-    "chain4": [tuple([0] * k) for k in range(1, 5)],
-    "small": greedy_shape(default_rank_accept(4, 4), 15),
-    "medium": greedy_shape(default_rank_accept(4, 8), 31),
-    "large": greedy_shape(default_rank_accept(5, 10), 63),
-}
+# ----------------------------------------------------------------------------- tree options
+
+MAX_TREE_TOKENS = 128
+"""Largest tree (root included) the engine verifies in one step."""
+
+TREE_PRESETS = {"small": (4, 3, 12), "medium": (5, 4, 24), "large": (6, 8, 48)}
+"""Named trees: (depth, top_k, total tokens with the root). The same name is the same size for every head."""
+
+DEFAULT_TREE = "auto"
+"""``auto``: the engine's policy moves between plain decoding and the proposer's trees by measured speed."""
 
 
-def load_shape(spec: str | os.PathLike) -> list[tuple[int, ...]]:
-    """A named shape (chain4, small, medium, large, chainK) or a JSON file with a list of rank paths."""
+@dataclass(frozen=True)
+class TreeSpec:
+    """What one step drafts: a dynamic tree (EAGLE-2 style) or, from a file, a static shape of rank paths."""
+
+    depth: int = 5
+    """Maximum tree depth (drafting steps)."""
+    top_k: int = 4
+    """Children per expanded node, and nodes expanded per depth (1 = a chain)."""
+    total_tokens: int = 24
+    """Tree size including the root."""
+    paths: tuple[tuple[int, ...], ...] | None = None
+    """A static shape of rank paths (from a tree file); None = built from the numbers above."""
+    name: str = ""
+
+    def __post_init__(self):
+        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:
+            raise DraftheadsError(
+                f"tree needs depth >= 1, top_k >= 1, total_tokens >= 2 (got {self.depth}, {self.top_k}, "
+                f"{self.total_tokens})"
+            )
+        if self.total_tokens > MAX_TREE_TOKENS:
+            raise DraftheadsError(
+                f"tree {self.name or ''} has {self.total_tokens} tokens, more than the {MAX_TREE_TOKENS} the engine "
+                f"verifies in one step: use a smaller tree (e.g. chain{MAX_TREE_TOKENS - 1} at most)"
+            )
+
+    @property
+    def is_chain(self) -> bool:
+        return self.top_k == 1 and self.paths is None
+
+    @property
+    def label(self) -> str:
+        return self.name or f"tree(depth={self.depth}, top_k={self.top_k}, tokens={self.total_tokens})"
+
+    def shape(self, max_depth: int | None = None) -> list[tuple[int, ...]]:
+        """Rank paths for a static drafter (Medusa); named trees are cut to ``max_depth`` at the same size."""
+        if self.paths is not None:
+            if max_depth is not None and max(len(p) for p in self.paths) > max_depth:
+                raise DraftheadsError(
+                    f"tree file {self.name} is {max(len(p) for p in self.paths)} deep but the head drafts "
+                    f"{max_depth} positions: give a tree of depth <= {max_depth}"
+                )
+            return list(self.paths)
+        depth = self.depth if max_depth is None else min(self.depth, max_depth)
+        if self.is_chain:
+            return [tuple([0] * k) for k in range(1, depth + 1)]
+        return greedy_shape(default_rank_accept(depth, self.top_k), self.total_tokens - 1)
+
+
+def parse_tree(spec: str | os.PathLike) -> TreeSpec:
+    """A named tree (small, medium, large), ``chainK`` (K drafted tokens) or a JSON file of rank paths."""
     spec = str(spec)
-    if spec in NAMED_SHAPES:
-        return NAMED_SHAPES[spec]
+    if spec in TREE_PRESETS:
+        return TreeSpec(*TREE_PRESETS[spec], name=spec)
     if spec.startswith("chain") and spec[5:].isdigit():
-        return [tuple([0] * k) for k in range(1, int(spec[5:]) + 1)]
+        k = int(spec[5:])
+        if k < 1:
+            raise DraftheadsError(f"tree {spec!r}: a chain drafts at least one token (chain1, chain2, ...)")
+        return TreeSpec(depth=k, top_k=1, total_tokens=k + 1, name=spec)
     if not os.path.isfile(spec):
         raise DraftheadsError(
-            f"tree {spec!r} is neither a named tree ({', '.join(NAMED_SHAPES)}, chainK) nor a file: "
+            f"tree {spec!r} is neither a named tree ({', '.join(TREE_PRESETS)}, chainK) nor a file: "
             "give a JSON file holding a list of rank paths like [[0], [1], [0, 0]]"
         )
     try:
-        paths = json.loads(open(spec).read())
+        paths = json.loads(open(spec, encoding="utf-8").read())
         if not isinstance(paths, list) or not paths or not all(
             isinstance(p, list) and p and all(isinstance(r, int) for r in p) for p in paths
         ):
             raise ValueError
-    except (ValueError, json.JSONDecodeError):
+    except (ValueError, UnicodeDecodeError):
         raise DraftheadsError(
             f"tree file {spec!r} is malformed: it must hold a non-empty JSON list of non-empty "
             "lists of ranks, like [[0], [1], [0, 0]]"
         ) from None
-    shape_from_paths(paths)  # validates
-    return [tuple(p) for p in paths]
+    parents, order = shape_from_paths(paths)  # validates, adds missing prefixes
+    return TreeSpec(depth=max(len(p) for p in order[1:]), top_k=max(max(p) for p in order[1:]) + 1,
+                    total_tokens=len(parents), paths=tuple(order[1:]), name=spec)
 
 
 def expected_accept_length(paths, rank_accept) -> float:

@@ -9,6 +9,12 @@
 * Sampling, drafts with known q (children drawn independently from q): recursive rejection sampling
   over the siblings -- accept child i with min(1, p'(x_i)/q_i(x_i)); on rejection
   p' <- norm(max(p' - q_i, 0)) and try the next sibling; if all are rejected, emit x ~ p'.
+
+The engine picks one :class:`Verifier` from its config (``VERIFIERS``): ``exact`` does the above per
+request (greedy or sampled by its parameters), ``synthetic`` accepts drafted positions with given
+probabilities whatever the tokens, for speed measurements on random-weight targets (vLLM's synthetic
+rejection sampling). Both read the target's logits through :class:`NodeLogits`, which projects the
+final hidden states through the lm_head only at the nodes a walk reaches.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from draftheads.errors import DraftheadsError
+from draftheads.inference.sampling import SamplingParams, target_probs
 from draftheads.inference.tree import Tree
 
 
@@ -107,3 +115,170 @@ def verify_sampled(tree: Tree, probs: torch.Tensor, gen: torch.Generator | None 
         tokens.append(tree.tokens[nxt])
         accepted.append(nxt)
         cur = nxt
+
+
+# ----------------------------------------------------------------------------- the engine's verifiers
+
+
+class NodeLogits:
+    """The target's logits at the query positions of one forward, projected on demand.
+
+    ``hidden`` [T, H] are final (normed) hidden states and ``weight`` [V, H] the lm_head; or ``full``
+    [T, V] logits computed by the model itself (targets whose head does more than a projection).
+    ``projected`` counts the rows projected so far (what lazy projection saves is measurable).
+    """
+
+    def __init__(self, hidden: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                 full: torch.Tensor | None = None):
+        if (full is None) == (hidden is None or weight is None):
+            raise ValueError("NodeLogits needs hidden and weight, or full logits")
+        self.hidden, self.weight, self.full = hidden, weight, full
+        self.projected = 0
+
+    def __len__(self) -> int:
+        return (self.full if self.full is not None else self.hidden).shape[0]
+
+    def rows(self, idx) -> torch.Tensor:
+        """[len(idx), V] logits at flattened query positions ``idx``."""
+        if self.full is not None:
+            return self.full[idx]
+        idx = torch.as_tensor(idx, dtype=torch.long, device=self.hidden.device)
+        self.projected += idx.numel()
+        return torch.nn.functional.linear(self.hidden[idx], self.weight)
+
+    def all(self) -> torch.Tensor:
+        return self.rows(torch.arange(len(self)))
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.rows([i])[0]
+
+
+class _RowProbs:
+    """``probs[node]`` for one row: its target distribution after that node, projected when read."""
+
+    def __init__(self, logits: NodeLogits, offset: int, params: SamplingParams):
+        self.logits, self.offset, self.params = logits, offset, params
+
+    def __getitem__(self, node: int) -> torch.Tensor:
+        return target_probs(self.logits[self.offset + node], self.params)
+
+
+class Verifier:
+    """Turns one forward's logits over every row's tree into accepted nodes and emitted tokens."""
+
+    name = "none"
+
+    def verify(self, states, trees: list[Tree], logits: NodeLogits) -> list[VerifyResult]:  # pragma: no cover
+        raise NotImplementedError
+
+
+def _offsets(trees: list[Tree]) -> list[int]:
+    out, off = [], 0
+    for t in trees:
+        out.append(off)
+        off += len(t)
+    return out
+
+
+class ExactVerifier(Verifier):
+    """Lossless verification: greedy rows walk their trees depth by depth together, projecting only the
+    nodes reached (one lm_head call per depth for the whole batch); sampled rows run the rejection walk,
+    projecting each node they visit. ``fused``: greedy rows use the Triton walk over full logits."""
+
+    name = "exact"
+
+    def __init__(self, fused: bool = False):
+        self.fused = fused
+
+    def verify(self, states, trees, logits):
+        offs = _offsets(trees)
+        out: list[VerifyResult | None] = [None] * len(trees)
+        greedy = [r for r, st in enumerate(states) if st.params.greedy]
+        if greedy and self.fused and max(len(trees[r]) for r in greedy) > 1:
+            for r, res in zip(greedy, _fused_greedy([trees[r] for r in greedy], logits, [offs[r] for r in greedy])):
+                out[r] = res
+        elif greedy:
+            for r, res in zip(greedy, _greedy_walk([trees[r] for r in greedy], logits, [offs[r] for r in greedy])):
+                out[r] = res
+        for r, st in enumerate(states):
+            if out[r] is None:
+                out[r] = verify_sampled(trees[r], _RowProbs(logits, offs[r], st.params), st.generator)
+        return out
+
+
+def _greedy_walk(trees: list[Tree], logits: NodeLogits, offs: list[int]) -> list[VerifyResult]:
+    kids = [t.children() for t in trees]
+    cur = [0] * len(trees)
+    res = [VerifyResult([], []) for _ in trees]
+    live = list(range(len(trees)))
+    while live:
+        want = logits.rows([offs[r] + cur[r] for r in live]).argmax(-1).tolist()
+        still = []
+        for r, w in zip(live, want):
+            res[r].tokens.append(w)
+            nxt = next((c for c in kids[r][cur[r]] if trees[r].tokens[c] == w), None)
+            if nxt is not None:
+                res[r].accepted.append(nxt)
+                cur[r] = nxt
+                still.append(r)
+        live = still
+    return res
+
+
+def _fused_greedy(trees: list[Tree], logits: NodeLogits, offs: list[int]) -> list[VerifyResult]:
+    """The greedy walk of every row in one Triton launch, over the argmax of all nodes."""
+    from draftheads.kernels.verify import greedy_verify
+
+    device = logits.hidden.device if logits.full is None else logits.full.device
+    idx = [o + i for o, t in zip(offs, trees) for i in range(len(t))]
+    argmax = logits.rows(idx).argmax(-1).to(torch.int32)
+    width = max(len(t) for t in trees)
+    tokens = torch.full((len(trees), width), -1, dtype=torch.int32)
+    parents = torch.full((len(trees), width), -2, dtype=torch.int32)
+    am = torch.full((len(trees), width), -1, dtype=torch.int32, device=device)
+    off = 0
+    for r, t in enumerate(trees):
+        tokens[r, : len(t)] = torch.tensor(t.tokens, dtype=torch.int32)
+        parents[r, : len(t)] = torch.tensor(t.parents, dtype=torch.int32)
+        am[r, : len(t)] = argmax[off: off + len(t)]
+        off += len(t)
+    sizes = torch.tensor([len(t) for t in trees], dtype=torch.int32, device=device)
+    acc, count = greedy_verify(tokens.to(device), parents.to(device), am, sizes)
+    acc, count, am = acc.cpu(), count.cpu(), am.cpu()
+    out = []
+    for r, t in enumerate(trees):
+        nodes = acc[r, : int(count[r])].tolist()
+        last = nodes[-1] if nodes else 0
+        out.append(VerifyResult(nodes, [t.tokens[i] for i in nodes] + [int(am[r, last])]))
+    return out
+
+
+class SyntheticVerifier(Verifier):
+    """Accepts the drafted position d (along each node's first child) with probability ``rates[d]``
+    given the positions before it were accepted, whatever the tokens; the bonus token is the target's
+    argmax after the last accepted node. For speed measurements only: the text is meaningless."""
+
+    name = "synthetic"
+
+    def __init__(self, rates, seed: int = 0):
+        rates = list(rates or ())
+        if not rates or not all(0 <= r <= 1 for r in rates):
+            raise DraftheadsError(f"synthetic acceptance rates {rates} must be a non-empty list in [0, 1]")
+        self.rates = rates
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def verify(self, states, trees, logits):
+        out = []
+        for off, tree in zip(_offsets(trees), trees):
+            kids = tree.children()
+            cur, accepted = 0, []
+            for rate in self.rates:
+                if not kids[cur] or float(torch.rand((), generator=self.gen)) >= rate:
+                    break
+                cur = kids[cur][0]
+                accepted.append(cur)
+            out.append(VerifyResult(accepted, [tree.tokens[i] for i in accepted] + [int(logits[off + cur].argmax())]))
+        return out
+
+
+VERIFIERS = {"exact": ExactVerifier, "synthetic": SyntheticVerifier}

@@ -206,7 +206,7 @@ def test_imported_head_runs_in_engine(heads, tiny_target, tmp_path):
 
     out, _ = export_head(heads["eagle3"], "vllm-eagle3", tmp_path / "e3", verifier="t")
     import_checkpoint("eagle3", out, tmp_path / "head")
-    proposer = make_proposer(tiny_target, str(tmp_path / "head"), tree="small")
-    spec = Engine(tiny_target.model, proposer=proposer).generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, stop_at_eos=False))
+    proposer = make_proposer(tiny_target, str(tmp_path / "head"))
+    spec = Engine(tiny_target.model, proposer=proposer, tree="small").generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, stop_at_eos=False))
     plain = Engine(tiny_target.model).generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, stop_at_eos=False))
     assert spec[0].token_ids == plain[0].token_ids and spec[0].metrics.drafts > 0

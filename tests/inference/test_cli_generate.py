@@ -21,14 +21,14 @@ def test_generate_with_head_reports_metrics_and_identity(tiny_llama_dir, eagle3_
                "--max-new-tokens", "12", "--tree", "small", "--compare-plain"])
     assert rc == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("[eagle3]") and "tau=" in last and "speedup" in last
+    assert last.startswith("[eagle3, small]") and "tau=" in last and "speedup" in last
     assert "identical to plain" in last
 
 
 def test_generate_ngram_and_plain(tiny_llama_dir, capsys):
     assert main(["generate", "--target", str(tiny_llama_dir), "--prompt", "hi", "--proposer", "ngram",
                  "--max-new-tokens", "8", "--temperature", "0.8", "--seed", "1"]) == 0
-    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("[ngram]")
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("[ngram, auto]")
     assert main(["generate", "--target", str(tiny_llama_dir), "--prompt", "hi", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("[plain]")
 
@@ -36,7 +36,10 @@ def test_generate_ngram_and_plain(tiny_llama_dir, capsys):
 @pytest.mark.parametrize("args,message", [
     (["--temperature", "-1"], "temperature -1.0 must be >= 0"),
     (["--top-p", "1.5"], "top_p 1.5 must be in (0, 1]"),
-    (["--proposer", "ngram", "--tree", "nonsense.json"], None),
+    (["--proposer", "ngram", "--tree", "nonsense.json"], "neither a named tree"),
+    (["--proposer", "ngram", "--tree", "small"], "drafts chains"),
+    (["--proposer", "ngram", "--tree", "chain100000"], "more than the 128"),
+    (["--proposer", "ngram", "--tree", "chain4"], None),
     (["--head", "/nonexistent"], "lacks config.json"),
 ])
 def test_bad_generate_input_is_one_line(tiny_llama_dir, args, message):

@@ -4,12 +4,12 @@ from _proposers import OracleProposer, RandomTreeProposer
 
 from draftheads.errors import DraftheadsError
 from draftheads.inference.engine import Engine
-from draftheads.inference.proposers.draft_tree import TreeSpec
 from draftheads.inference.proposers.eagle import EagleProposer
 from draftheads.inference.proposers.eagle3 import Eagle3Proposer
 from draftheads.inference.proposers.medusa import MedusaProposer
 from draftheads.inference.proposers.ngram import NGramProposer
 from draftheads.inference.sampling import SamplingParams
+from draftheads.inference.tree import TreeSpec
 from draftheads.testing import random_heads
 
 PROMPTS = [
@@ -38,25 +38,27 @@ def reference(model):
 def _proposer(name, model):
     vocab = model.config.vocab_size
     heads = random_heads(model)
-    spec = TreeSpec(depth=4, top_k=3, total_tokens=12)
     return {
         "plain": lambda: None,
-        "ngram": lambda: NGramProposer(3),
+        "ngram": lambda: NGramProposer(),
         "random": lambda: RandomTreeProposer(vocab),
         "oracle": lambda: OracleProposer(model, 3, siblings=2, vocab=vocab),
         "medusa": lambda: MedusaProposer(heads["medusa"], model),
-        "eagle": lambda: EagleProposer(heads["eagle"], model, spec),
-        "eagle3": lambda: Eagle3Proposer(heads["eagle3"], model, spec),
+        "eagle": lambda: EagleProposer(heads["eagle"], model),
+        "eagle3": lambda: Eagle3Proposer(heads["eagle3"], model),
     }[name]()
 
 
 PARAMS = SamplingParams(max_new_tokens=NEW, stop_at_eos=False)
+SPEC = TreeSpec(depth=4, top_k=3, total_tokens=12)
+TREES = {"plain": None, "ngram": "chain3", "random": SPEC, "oracle": SPEC, "medusa": "small", "eagle": SPEC,
+         "eagle3": SPEC}
 
 
 @pytest.mark.parametrize("name", ["plain", "ngram", "random", "oracle", "medusa", "eagle", "eagle3"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_identity(model, reference, name, batch):
-    engine = Engine(model, proposer=_proposer(name, model))
+    engine = Engine(model, proposer=_proposer(name, model), tree=TREES[name])
     prompts = PROMPTS[:batch] if batch > 1 else PROMPTS[2:3]
     want = reference[:batch] if batch > 1 else reference[2:3]
     outs = engine.generate(prompts, PARAMS)
@@ -69,7 +71,7 @@ def test_greedy_identity(model, reference, name, batch):
 
 
 def test_sampling_same_seed_same_output(model):
-    engine = Engine(model, proposer=_proposer("eagle3", model))
+    engine = Engine(model, proposer=_proposer("eagle3", model), tree=TREES["eagle3"])
     a = engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_new_tokens=16, stop_at_eos=False))
     b = engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_new_tokens=16, stop_at_eos=False))
     c = engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=0.9, seed=4, max_new_tokens=16, stop_at_eos=False))

@@ -1,48 +1,211 @@
 import pytest
+import torch
+from _proposers import OracleProposer
 
-from draftheads.inference.engine import Engine
-from draftheads.inference.metrics import SpecMetrics
-from draftheads.inference.policy import AutoTree, RequestSwitch
+from draftheads.inference.engine import Engine, EngineConfig
+from draftheads.inference.policy import AutoTree, CostCurve, RequestSwitch
 from draftheads.inference.proposers.base import RequestState
+from draftheads.inference.proposers.random_draft import RandomProposer
 from draftheads.inference.sampling import SamplingParams
+from draftheads.inference.tree import parse_tree
+from draftheads.testing import random_heads
+
+TREES = {n: parse_tree(n) for n in ("chain2", "small", "large")}
 
 
-def test_auto_tree_explores_then_exploits_the_fastest_arm():
-    rates = {None: 10.0, "small": 14.0, "large": 12.0}  # tokens per second of each arm
-    pol = AutoTree([None, "small", "large"], explore_steps=2, reexplore_every=1000)
+def _drive(pol, rates, steps, batch=1):
     picks = []
-    for _ in range(20):
-        arm = pol.choose()
+    for _ in range(steps):
+        arm = pol.choose(batch)
         picks.append(arm)
-        pol.update(arm, tokens=int(rates[arm]), seconds=1.0)
-    assert set(picks[:6]) == {None, "small", "large"}
-    assert picks[6:] == ["small"] * 14 and pol.best() == "small"
-    assert pol.cost_ratio("small") == pytest.approx(1.0)
+        pol.update(arm, batch, tokens=int(rates[arm]), seconds=1.0, query_tokens=1)
+    return picks
 
 
-def test_request_switch_turns_off_and_probes_again():
+def test_auto_tree_explores_then_exploits_and_probes_with_backoff():
+    rates = {None: 10, "chain2": 14, "small": 12, "large": 11}  # tokens per second of each arm
+    pol = AutoTree(dict(TREES), explore_steps=2, probe_after=8, max_probe_after=64)
+    picks = _drive(pol, rates, 400)
+    assert picks[:8] == [None, None, "chain2", "chain2", "small", "small", "large", "large"]
+    assert pol.best(1) == "chain2"
+    assert picks[8:].count("chain2") > 0.9 * len(picks[8:])  # 3 losing arms probed at most every 64 steps
+    probes = [i for i, a in enumerate(picks) if i >= 8 and a != "chain2"]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes and max(gaps) > min(gaps)  # losing arms wait longer after each lost probe
+    assert pol.cost_ratio("chain2", 1) == pytest.approx(1.0)
+
+
+def test_auto_tree_prunes_larger_trees_when_a_small_one_loses():
+    rates = {None: 10, "chain2": 5, "small": 4, "large": 3}
+    pol = AutoTree(dict(TREES), explore_steps=2, probe_after=50)
+    picks = _drive(pol, rates, 40)
+    assert "small" not in picks and "large" not in picks  # never explored in the first round
+    assert picks[4:].count(None) == len(picks[4:])
+
+
+def test_auto_tree_keeps_measurements_per_batch_size_and_skips_trees_that_cannot_pay():
+    pol = AutoTree(dict(TREES), explore_steps=1)
+    curve = CostCurve()
+    curve.seed({1: 10.0, 16: 12.0, 64: 40.0, 1024: 800.0})
+    pol.curve = curve
+    assert pol.can_pay("large", 1) and not pol.can_pay("large", 16)  # 16 x 48 tokens: 7 x the cost at most
+    picks = _drive(pol, {None: 10, "chain2": 9, "small": 9, "large": 9}, 10, batch=16)
+    assert "large" not in picks
+    assert pol.stats[16][None].steps and 1 not in pol.stats
+
+
+def test_request_switch_state_lives_on_the_request():
     sw = RequestSwitch(ema=0.0, off_steps=3)
-    st = RequestState(0, 1, [1], SamplingParams(), None, SpecMetrics())
+    st = RequestState(0, 1, [1], SamplingParams(), None)
     sw.observe(st, tokens_emitted=1, step=1, cost_ratio=1.5)  # one token per step cannot pay 1.5x the cost
-    assert not st.speculate
+    assert not st.speculate and st.plain_until == 4
     sw.maybe_probe(st, step=2)
     assert not st.speculate
     sw.maybe_probe(st, step=4)
-    assert st.speculate
+    assert st.speculate and st.spec_tau is None
     sw.observe(st, tokens_emitted=3, step=5, cost_ratio=1.5)
     assert st.speculate
+    other = RequestState(0, 1, [1], SamplingParams(), None)  # the same row slot in the next call starts fresh
+    assert other.speculate and other.spec_tau is None
 
 
-def test_auto_tree_keeps_greedy_identity(tiny_target):
-    from draftheads.inference.build import make_policy
-    from draftheads.inference.proposers.ngram import NGramProposer
+class CostModelEngine(Engine):
+    """The engine with each step's wall time replaced by a cost model (a fixed cost plus one per query
+    token), so that the policy's decisions do not depend on the load of the machine running the tests."""
+
+    def _credit(self, arm, live, trees, emitted, seconds):
+        super()._credit(arm, live, trees, emitted, 1.0 + 0.1 * sum(len(t) for t in trees))
+
+
+def _arms_run(engine):
+    return {a: s.steps for b in engine.policy.stats.values() for a, s in b.items()}
+
+
+def test_policy_goes_plain_on_a_useless_proposer(tiny_target):
+    model = tiny_target.model
+    engine = CostModelEngine(model, proposer=RandomProposer(model.config.vocab_size), tree="auto")
+    params = SamplingParams(max_new_tokens=40, stop_at_eos=False)
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11]]
+    outs = [engine.generate(prompts, params) for _ in range(3)]  # the policy persists across calls
+    plain = Engine(model).generate(prompts, params)
+    assert all([o.token_ids for o in out] == [o.token_ids for o in plain] for out in outs)
+    steps = _arms_run(engine)
+    assert steps[None] > 0.85 * sum(steps.values())
+    assert steps["large"] == 0  # pruned after the smaller trees lost
+
+
+def test_policy_speculates_with_an_oracle(tiny_target):
+    model = tiny_target.model
+    engine = CostModelEngine(model, proposer=OracleProposer(model, 4), tree="auto")
+    params = SamplingParams(max_new_tokens=30, stop_at_eos=False)
+    for _ in range(2):
+        (out,) = engine.generate([[5, 6, 7, 8]], params)
+    (plain,) = Engine(model).generate([[5, 6, 7, 8]], params)
+    assert out.token_ids == plain.token_ids
+    steps = _arms_run(engine)
+    assert sum(v for a, v in steps.items() if a is not None) > 3 * steps[None]
+    assert engine.policy.best(1) is not None and out.metrics.tau > 2
+
+
+class _AlwaysChain2(AutoTree):
+    """Always speculates, and says a speculative step costs twice a plain one."""
+
+    def choose(self, batch):
+        return "chain2"
+
+    def cost_ratio(self, arm, batch):
+        return 2.0
+
+
+def test_switch_statistics_do_not_leak_across_generate_calls(tiny_target):
+    model = tiny_target.model
+    policy = _AlwaysChain2({"chain2": parse_tree("chain2")})
+    engine = Engine(model, proposer=RandomProposer(model.config.vocab_size), policy=policy)
+    engine.switch = RequestSwitch(ema=0.0, off_steps=1000)
+    params = SamplingParams(max_new_tokens=12, stop_at_eos=False)
+    (a,) = engine.generate([[5, 6, 7]], params)
+    (b,) = engine.generate([[5, 6, 7]], params)
+    assert a.token_ids == b.token_ids
+    # random drafts cannot pay twice the cost: the switch stops drafting after the first step, and a
+    # new request in the same row slot starts drafting again
+    assert a.metrics.drafts == 1 and b.metrics.drafts == 1
+    # those switched-off steps are plain steps, and are credited so
+    assert policy.stats[1][None].steps == a.metrics.target_forwards - 1 + b.metrics.target_forwards - 1
+
+
+def test_catch_up_after_plain_steps_gives_the_same_drafts(tiny_target):
+    """Drafting after a plain stretch (one draft forward over the missed tokens) proposes what a drafter
+    that followed every step proposes."""
+    from draftheads.inference.proposers.eagle3 import Eagle3Proposer
 
     model = tiny_target.model
-    prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11]]
-    params = SamplingParams(max_new_tokens=30, stop_at_eos=False)
-    proposer = NGramProposer(4)
-    policy, switch = make_policy(proposer)
-    auto = Engine(model, proposer=proposer, policy=policy, switch=switch).generate(prompts, params)
-    plain = Engine(model).generate(prompts, params)
-    assert [o.token_ids for o in auto] == [o.token_ids for o in plain]
-    assert sum(s.steps for s in policy.stats.values()) > 0
+    head = random_heads(model)["eagle3"]
+    tree = parse_tree("small")
+
+    def run(plain_steps):
+        proposer = Eagle3Proposer(head, model)
+        engine = Engine(model, proposer=proposer, tree=tree)
+        drafts = []
+        orig = engine._propose
+
+        def propose(st, t):
+            if engine.steps in plain_steps:
+                return orig(st, None)
+            out = orig(st, t)
+            drafts.append((len(st.tokens), out.tokens))  # keyed by the position in the text
+            return out
+
+        engine._propose = propose
+        (o,) = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_new_tokens=20, stop_at_eos=False))
+        return o.token_ids, dict(drafts)
+
+    full_tokens, full = run(set())
+    gap_tokens, gapped = run({2, 3, 4, 5})
+    assert gap_tokens == full_tokens
+    after_gap = [n for n in gapped if n in full and n > min(gapped)]
+    assert after_gap and all(gapped[n] == full[n] for n in gapped if n in full)
+
+
+def test_lazy_and_full_lm_head_give_identical_greedy_output(tiny_target):
+    from draftheads.inference.proposers.eagle3 import Eagle3Proposer
+
+    model = tiny_target.model
+    head = random_heads(model)["eagle3"]
+    prompts = [[5, 6, 7, 8, 9], [20, 21, 22]]
+    params = SamplingParams(max_new_tokens=16, stop_at_eos=False)
+    outs = {}
+    for lazy in (True, False):
+        engine = Engine(model, proposer=Eagle3Proposer(head, model), tree="medium",
+                        config=EngineConfig(lazy_lm_head=lazy))
+        outs[lazy] = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    assert [o.metrics.accepted for o in outs[True]] == [o.metrics.accepted for o in outs[False]]
+
+
+def test_lazy_lm_head_projects_only_the_walked_nodes(tiny_target):
+    from draftheads.inference.tree import Tree
+    from draftheads.inference.verify import ExactVerifier, NodeLogits
+
+    model = tiny_target.model
+    w = model.get_output_embeddings().weight
+    hidden = torch.randn(6, w.shape[1])
+    logits = NodeLogits(hidden, w)
+    full = hidden @ w.T
+    am = full.argmax(-1).tolist()
+    tree = Tree([0, am[0], 1, 2, 3, 4], [-1, 0, 0, 1, 1, 2])  # node 1 is the target's choice
+    st = RequestState(0, 1, [0], SamplingParams(), None)
+    (res,) = ExactVerifier().verify([st], [tree], logits)
+    assert res.tokens[0] == am[0] and res.accepted[:1] == [1]
+    assert logits.projected == 1 + len(res.accepted)  # the root, then one node per accepted depth
+
+
+def test_synthetic_verifier_accepts_by_rate(tiny_target):
+    model = tiny_target.model
+    cfg = EngineConfig(verifier="synthetic", synthetic_rates=(1.0, 1.0, 0.0))
+    engine = Engine(model, proposer=RandomProposer(model.config.vocab_size), tree="chain3", config=cfg)
+    (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=30, stop_at_eos=False))
+    assert out.metrics.alpha == [1.0, 1.0, 0.0] and out.metrics.tau == pytest.approx(3.0)
+    cfg = EngineConfig(verifier="synthetic", synthetic_rates=(0.5,))
+    engine = Engine(model, proposer=RandomProposer(model.config.vocab_size), tree="chain1", config=cfg)
+    (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=300, stop_at_eos=False))
+    assert 0.4 < out.metrics.alpha[0] < 0.6

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from draftheads.inference.engine import Engine
-from draftheads.inference.proposers.draft_tree import TreeSpec
 from draftheads.inference.proposers.eagle3 import Eagle3Proposer
 from draftheads.inference.proposers.medusa import MedusaProposer
 from draftheads.inference.proposers.ngram import NGramProposer
 from draftheads.inference.sampling import SamplingParams
+from draftheads.inference.tree import TreeSpec
 from draftheads.prompts import load_prompts, render_chat
 from draftheads.testing import random_heads
 
@@ -43,12 +43,13 @@ def test_plain_engine_matches_hf_greedy(smol, prompts):
 def test_speculative_equals_plain_batch_of_unequal_prompts(smol, prompts, name):
     heads = random_heads(smol.model, draft_vocab_size=512)
     proposer = {
-        "ngram": lambda: NGramProposer(4),
+        "ngram": lambda: NGramProposer(),
         "medusa": lambda: MedusaProposer(heads["medusa"], smol.model),
-        "eagle3": lambda: Eagle3Proposer(heads["eagle3"], smol.model, TreeSpec(depth=4, top_k=3, total_tokens=12)),
+        "eagle3": lambda: Eagle3Proposer(heads["eagle3"], smol.model),
     }[name]()
     params = SamplingParams(max_new_tokens=NEW, stop_at_eos=False)
     assert len(prompts[0]) != len(prompts[1])
     plain = Engine(smol.model, smol.tokenizer).generate(prompts, params)
-    spec = Engine(smol.model, smol.tokenizer, proposer).generate(prompts, params)
+    tree = "chain4" if name == "ngram" else TreeSpec(depth=4, top_k=3, total_tokens=12)
+    spec = Engine(smol.model, smol.tokenizer, proposer, tree=tree).generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]

@@ -5,11 +5,12 @@ import pytest
 from draftheads.errors import DraftheadsError
 from draftheads.inference.tree import (
     Tree,
+    TreeSpec,
     ancestor_mask,
     depths,
     expected_accept_length,
     greedy_shape,
-    load_shape,
+    parse_tree,
     position_ids,
     retrieve_paths,
     shape_from_paths,
@@ -62,10 +63,22 @@ def test_bad_trees_and_files(tmp_path):
     bad = tmp_path / "t.json"
     bad.write_text(json.dumps({"not": "a list"}))
     with pytest.raises(DraftheadsError, match="malformed"):
-        load_shape(str(bad))
+        parse_tree(str(bad))
     with pytest.raises(DraftheadsError, match="neither a named tree"):
-        load_shape("no-such-tree")
+        parse_tree("no-such-tree")
     good = tmp_path / "g.json"
     good.write_text("[[0], [1], [0, 0]]")
-    assert load_shape(str(good)) == [(0,), (1,), (0, 0)]
-    assert len(load_shape("chain3")) == 3 and len(load_shape("large")) == 63
+    assert parse_tree(str(good)).shape() == [(0,), (1,), (0, 0)]
+    assert parse_tree(str(good)).shape(max_depth=2) == [(0,), (1,), (0, 0)]
+    with pytest.raises(DraftheadsError, match="deep"):
+        parse_tree(str(good)).shape(max_depth=1)  # a static tree deeper than the head is refused, not cut
+    with pytest.raises(DraftheadsError, match="more than the 128"):
+        parse_tree("chain100000")  # refused before any drafting
+
+
+def test_one_name_is_one_tree_for_every_head():
+    for name in ("chain3", "small", "medium", "large"):
+        spec = parse_tree(name)
+        assert len(spec.shape()) == spec.total_tokens - 1  # the static (Medusa) shape has the dynamic tree's size
+        assert len(spec.shape(max_depth=3)) == spec.total_tokens - 1 if not spec.is_chain else 3
+    assert parse_tree("chain3") == TreeSpec(depth=3, top_k=1, total_tokens=4, name="chain3")

@@ -74,16 +74,17 @@ def test_reference_matches_dense_attention():
 
 def test_engine_greedy_identity_with_triton_path(tiny_target):
     from draftheads.inference.engine import Engine, EngineConfig
-    from draftheads.inference.proposers.draft_tree import TreeSpec
     from draftheads.inference.proposers.eagle3 import Eagle3Proposer
     from draftheads.inference.sampling import SamplingParams
+    from draftheads.inference.tree import TreeSpec
     from draftheads.testing import random_heads
 
     model = tiny_target.model
     prompts = [[5, 6, 7, 8, 9], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37]]
     params = SamplingParams(max_new_tokens=8, stop_at_eos=False)
-    proposer = Eagle3Proposer(random_heads(model)["eagle3"], model, TreeSpec(depth=3, top_k=2, total_tokens=6))
-    triton_out = Engine(model, proposer=proposer, config=EngineConfig(use_triton=True)).generate(prompts, params)
+    proposer = Eagle3Proposer(random_heads(model)["eagle3"], model)
+    triton_out = Engine(model, proposer=proposer, config=EngineConfig(use_triton=True),
+                        tree=TreeSpec(depth=3, top_k=2, total_tokens=6)).generate(prompts, params)
     torch_out = Engine(model, config=EngineConfig(use_triton=False)).generate(prompts, params)
     assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]
     assert all(o.metrics.drafts > 0 for o in triton_out)

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftheads.errors import DraftheadsError
 from draftheads.inference.metrics import SpecMetrics
 from draftheads.inference.sampling import SamplingParams
-from draftheads.inference.tree import Tree
+from draftheads.inference.tree import Tree, TreeSpec
 
 
 @dataclass
@@ -23,6 +24,8 @@ class RequestState:
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     done: bool = False
     speculate: bool = True  # a proposer (or the engine's policy) may turn drafting off per request
+    spec_tau: float | None = None  # the per-request switch: running tokens per speculative step
+    plain_until: int = 0  # the per-request switch: engine step at which drafting is probed again
 
     @property
     def root(self) -> int:
@@ -41,16 +44,30 @@ class Proposer:
     """Drafts a candidate tree rooted at each request's last emitted token.
 
     ``layer_ids``: target hidden-state ids (HF numbering) the proposer needs; the engine captures them
-    in every target forward and hands over those of committed tokens through :meth:`observe`.
+    in every target forward and hands over those of committed tokens through :meth:`observe`, on plain
+    steps too. Work on them (a draft forward) belongs in :meth:`propose`, so that a step the engine
+    decodes plainly costs the proposer nothing.
+
+    ``auto_trees``: the trees ``--tree auto`` chooses among for this proposer (plain decoding besides).
     """
 
     name = "none"
     layer_ids: tuple[int, ...] = ()
+    auto_trees: tuple[str, ...] = ("chain2", "small", "medium", "large")
+
+    def check_tree(self, tree: TreeSpec) -> None:
+        """Raise :class:`DraftheadsError` when this proposer cannot draft ``tree``."""
+        if tree.paths is not None:
+            raise DraftheadsError(
+                f"the {self.name} proposer drafts dynamic trees: tree file {tree.name} is a static shape "
+                "(for Medusa heads); use small, medium, large or chainK"
+            )
 
     def start(self, state: RequestState, hidden: dict[int, torch.Tensor]) -> None:
         """After prefill: ``hidden[id]`` [prompt_len, H] for the prompt tokens."""
 
-    def propose(self, state: RequestState) -> Tree:  # pragma: no cover - interface
+    def propose(self, state: RequestState, tree: TreeSpec) -> Tree:  # pragma: no cover - interface
+        """A tree of at most ``tree.total_tokens`` nodes and depth ``tree.depth``, rooted at ``state.root``."""
         raise NotImplementedError
 
     def observe(self, state: RequestState, hidden: dict[int, torch.Tensor], num_new: int) -> None:
@@ -59,7 +76,3 @@ class Proposer:
 
     def finish(self, state: RequestState) -> None:
         """The request is done; drop its state."""
-
-    def set_tree(self, name: str) -> None:
-        """Switch to the named tree (``--tree auto`` moves between them)."""
-        raise NotImplementedError(f"{self.name} proposer has no tree options")

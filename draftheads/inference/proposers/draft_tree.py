@@ -13,13 +13,12 @@ reranked by cumulative log-probability and the best ``total_tokens - 1`` kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from draftheads.errors import DraftheadsError
 from draftheads.inference.proposers.base import Proposer, RequestState
-from draftheads.inference.tree import Tree
+from draftheads.inference.tree import Tree, TreeSpec
 
 
 @dataclass
@@ -28,6 +27,7 @@ class DraftState:
     v: torch.Tensor | None = None
     last_out: torch.Tensor | None = None  # [H] draft output at the last committed entry
     last_logp: torch.Tensor | None = None  # [V'] its log-probabilities (head vocabulary)
+    pending: list = field(default_factory=list)  # target hidden states of committed tokens not yet drafted over
 
     @property
     def length(self) -> int:
@@ -44,30 +44,13 @@ class _Node:
     entry: int = -1  # index among the step's tree entries
 
 
-@dataclass
-class TreeSpec:
-    depth: int = 5
-    """Maximum tree depth (drafting steps)."""
-    top_k: int = 4
-    """Children per expanded node, and nodes expanded per depth."""
-    total_tokens: int = 24
-    """Tree size including the root after reranking."""
-
-    def __post_init__(self):
-        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:
-            raise DraftheadsError(
-                f"dynamic tree needs depth >= 1, top_k >= 1, total_tokens >= 2 (got {self.depth}, {self.top_k}, {self.total_tokens})"
-            )
-
-
 class DraftTreeProposer(Proposer):
     """Subclasses define ``entry_features`` (target hidden states -> draft features) and ``step``
     (one draft forward) plus ``log_probs`` and ``to_target_ids``."""
 
-    def __init__(self, head, embed: torch.nn.Module, tree: TreeSpec | None = None):
+    def __init__(self, head, embed: torch.nn.Module):
         self.head = head.eval()
         self.embed = embed
-        self.tree = tree or TreeSpec()
         self.states: dict[int, DraftState] = {}
 
     # -- subclass interface ------------------------------------------------
@@ -87,18 +70,22 @@ class DraftTreeProposer(Proposer):
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return ids
 
-    def set_tree(self, name: str) -> None:
-        from draftheads.inference.build import tree_spec
-
-        self.tree = tree_spec(name)
-
     # -- following the committed sequence ------------------------------------
+    # The target's hidden states of committed tokens are kept as they arrive; the draft model runs over
+    # them (one forward for all that arrived since the last draft) only when a draft is asked for, so
+    # plain steps cost nothing and drafting after a plain stretch catches up in one forward.
 
     @torch.no_grad()
-    def _catch_up(self, st: RequestState, hidden: dict[int, torch.Tensor], first_pos: int, n: int) -> None:
-        ds = self.states.setdefault(st.rid, DraftState())
-        assert ds.length == first_pos, (ds.length, first_pos)
+    def _catch_up(self, st: RequestState) -> DraftState:
+        ds = self.states[st.rid]
+        if not ds.pending:
+            return ds
+        hidden = {i: torch.cat([h[i] for h in ds.pending]) for i in ds.pending[0]}
+        ds.pending = []
+        first_pos = ds.length
         feats = self.entry_features(hidden)[None]  # [1, n, H]
+        n = feats.shape[1]
+        assert first_pos + n == st.kv_len, (first_pos, n, st.kv_len)
         tokens = torch.tensor([st.tokens[first_pos + 1: first_pos + 1 + n]], device=feats.device)
         pos = torch.arange(first_pos, first_pos + n, device=feats.device)[None]
         mask = torch.zeros(1, 1, n, first_pos + n, dtype=feats.dtype, device=feats.device)
@@ -109,13 +96,13 @@ class DraftTreeProposer(Proposer):
         ds.v = v if ds.v is None else torch.cat([ds.v, v], 2)
         ds.last_out = out[0, -1]
         ds.last_logp = self.log_probs(out[0, -1:])[0]
+        return ds
 
     def start(self, st: RequestState, hidden: dict[int, torch.Tensor]) -> None:
-        self.states.pop(st.rid, None)
-        self._catch_up(st, hidden, 0, st.kv_len)
+        self.states[st.rid] = DraftState(pending=[hidden])
 
     def observe(self, st: RequestState, hidden: dict[int, torch.Tensor], num_new: int) -> None:
-        self._catch_up(st, hidden, st.kv_len - num_new, num_new)
+        self.states[st.rid].pending.append(hidden)
 
     def finish(self, st: RequestState) -> None:
         self.states.pop(st.rid, None)
@@ -123,9 +110,9 @@ class DraftTreeProposer(Proposer):
     # -- drafting ------------------------------------------------------------
 
     @torch.no_grad()
-    def propose(self, st: RequestState) -> Tree:
-        ds = self.states[st.rid]
-        spec = self.tree
+    def propose(self, st: RequestState, tree: TreeSpec) -> Tree:
+        ds = self._catch_up(st)
+        spec = tree
         k = spec.top_k
         top = torch.topk(ds.last_logp, min(k, ds.last_logp.numel()))
         pool = [_Node(int(t), -1, 1, float(s)) for s, t in zip(top.values, top.indices)]
@@ -166,10 +153,10 @@ class DraftTreeProposer(Proposer):
                     pool.append(_Node(t, i, depth + 1, pool[i].score + s))
                     cands.append(len(pool) - 1)
             frontier = sorted(cands, key=lambda j: -pool[j].score)[:k]
-        return self._select(st.root, pool)
+        return self._select(st.root, pool, spec.total_tokens)
 
-    def _select(self, root: int, pool: list[_Node]) -> Tree:
-        keep = sorted(range(len(pool)), key=lambda j: (-pool[j].score, pool[j].depth))[: self.tree.total_tokens - 1]
+    def _select(self, root: int, pool: list[_Node], total_tokens: int) -> Tree:
+        keep = sorted(range(len(pool)), key=lambda j: (-pool[j].score, pool[j].depth))[: total_tokens - 1]
         chosen = set(keep)
         for j in keep:  # ancestor closure (scores never grow with depth, but ties may reorder)
             a = pool[j].parent

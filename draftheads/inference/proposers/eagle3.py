@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from draftheads.inference.proposers.draft_tree import DraftTreeProposer, TreeSpec
+from draftheads.inference.proposers.draft_tree import DraftTreeProposer
 
 
 class Eagle3Proposer(DraftTreeProposer):
     name = "eagle3"
 
-    def __init__(self, head, target, tree: TreeSpec | None = None):
-        super().__init__(head, target.get_input_embeddings(), tree)
+    def __init__(self, head, target):
+        super().__init__(head, target.get_input_embeddings())
         self.layer_ids = tuple(head.config.aux_layer_ids)
 
     def entry_features(self, hidden):

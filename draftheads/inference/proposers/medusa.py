@@ -1,36 +1,36 @@
 """Medusa proposer: heads on the target's last hidden state at the last accepted token; the tree is a
-static shape of rank paths filled with each head's top-k tokens (cartesian candidates)."""
+static shape of rank paths filled with each head's top-k tokens (cartesian candidates). A named tree
+becomes the shape of the same size that maximises expected acceptance under a decaying prior, cut to
+the head's depth; a tree file gives the shape itself."""
 
 from __future__ import annotations
 
 import torch
 
 from draftheads.inference.proposers.base import Proposer, RequestState
-from draftheads.inference.tree import Tree, default_rank_accept, greedy_shape, shape_from_paths
+from draftheads.inference.tree import Tree, TreeSpec, shape_from_paths
 
 
 class MedusaProposer(Proposer):
     name = "medusa"
 
-    def __init__(self, head, target, shape=None):
+    auto_trees = ("chain2", "chain4", "small", "medium")
+
+    def __init__(self, head, target):
         self.head = head.eval()
-        cfg = head.config
         self.layer_ids = (target.config.get_text_config().num_hidden_layers,)
         self.target_lm_head = target.get_output_embeddings().weight
-        self.num_heads = cfg.num_heads
-        self.set_shape(shape or greedy_shape(default_rank_accept(cfg.num_heads, 4), 15))
+        self.num_heads = head.config.num_heads
+        self.shapes: dict[TreeSpec, tuple[list[int], list[tuple[int, ...]]]] = {}
         self.last: dict[int, torch.Tensor] = {}
 
-    def set_shape(self, shape) -> None:
-        shape = [p for p in shape if len(p) <= self.num_heads]
-        self.parents, self.paths = shape_from_paths(shape)
-        self.top_k = max(max(p) for p in self.paths[1:]) + 1
-        self.depth = max(len(p) for p in self.paths)
+    def check_tree(self, tree: TreeSpec) -> None:
+        tree.shape(self.num_heads)  # a tree file deeper than the head is refused
 
-    def set_tree(self, name: str) -> None:
-        from draftheads.inference.tree import load_shape
-
-        self.set_shape(load_shape(name))
+    def _shape(self, tree: TreeSpec):
+        if tree not in self.shapes:
+            self.shapes[tree] = shape_from_paths(tree.shape(self.num_heads))
+        return self.shapes[tree]
 
     def start(self, st: RequestState, hidden) -> None:
         self.last[st.rid] = hidden[self.layer_ids[0]][-1]
@@ -42,13 +42,15 @@ class MedusaProposer(Proposer):
         self.last.pop(st.rid, None)
 
     @torch.no_grad()
-    def propose(self, st: RequestState) -> Tree:
+    def propose(self, st: RequestState, tree: TreeSpec) -> Tree:
+        parents, paths = self._shape(tree)
+        top_k = max(max(p) for p in paths[1:]) + 1
         h = self.last[st.rid].to(self.target_lm_head.dtype)
         feats = self.head(h[None])[:, 0]  # [K, H]
         top = []
-        for d in range(self.depth):
+        for d in range(max(len(p) for p in paths)):
             logits = feats[d] @ self.head.projection(d, self.target_lm_head).T
-            idx = torch.topk(logits, min(self.top_k, logits.numel())).indices
+            idx = torch.topk(logits, min(top_k, logits.numel())).indices
             top.append(self.head.to_target_ids(idx).tolist())
-        tokens = [st.root] + [top[len(p) - 1][p[-1]] for p in self.paths[1:]]
-        return Tree(tokens, list(self.parents))
+        tokens = [st.root] + [top[len(p) - 1][p[-1]] for p in paths[1:]]
+        return Tree(tokens, list(parents))

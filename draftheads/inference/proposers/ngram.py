@@ -6,32 +6,32 @@ from __future__ import annotations
 
 from draftheads.errors import DraftheadsError
 from draftheads.inference.proposers.base import Proposer, RequestState
-from draftheads.inference.tree import Tree, chain_parents
+from draftheads.inference.tree import Tree, TreeSpec, chain_parents
 
 
 class NGramProposer(Proposer):
     name = "ngram"
+    auto_trees = ("chain2", "chain4", "chain8")
 
-    def __init__(self, num_tokens: int = 4, max_n: int = 4, min_n: int = 1):
-        if num_tokens < 1 or not 1 <= min_n <= max_n:
-            raise DraftheadsError(f"ngram proposer needs num_tokens >= 1 and 1 <= min_n <= max_n (got {num_tokens}, {min_n}, {max_n})")
-        self.k, self.max_n, self.min_n = num_tokens, max_n, min_n
+    def __init__(self, max_n: int = 4, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise DraftheadsError(f"ngram proposer needs 1 <= min_n <= max_n (got {min_n}, {max_n})")
+        self.max_n, self.min_n = max_n, min_n
 
-    def set_tree(self, name: str) -> None:
-        if not (name.startswith("chain") and name[5:].isdigit()):
-            raise DraftheadsError(f"the ngram proposer drafts chains: use chainK, not {name!r}")
-        self.k = int(name[5:])
+    def check_tree(self, tree: TreeSpec) -> None:
+        if not tree.is_chain:
+            raise DraftheadsError(f"the ngram proposer drafts chains: use chainK (or auto), not {tree.label}")
 
-    def lookup(self, tokens: list[int]) -> list[int]:
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             tail = tokens[-n:]
             for start in range(len(tokens) - n - 1, -1, -1):
                 if tokens[start : start + n] == tail:
-                    cont = tokens[start + n : start + n + self.k]
+                    cont = tokens[start + n : start + n + k]
                     if cont:
                         return cont
         return []
 
-    def propose(self, state: RequestState) -> Tree:
-        draft = self.lookup(state.tokens)
+    def propose(self, state: RequestState, tree: TreeSpec) -> Tree:
+        draft = self.lookup(state.tokens, tree.depth)
         return Tree([state.root, *draft], chain_parents(len(draft)))
