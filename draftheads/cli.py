@@ -100,17 +100,15 @@ def cmd_synthesize(args) -> int:
 
 
 def feature_layers(spec: str, num_layers: int) -> list[int]:
-    """``eagle3`` (default aux ids + last), ``eagle``/``medusa`` (last) or a comma list of HF ids."""
-    from draftheads.heads import default_aux_layer_ids
+    """A head family's name (the layers its training reads) or a comma list of HF hidden-state ids."""
+    from draftheads.heads import FAMILIES
 
-    if spec == "eagle3":
-        return sorted(set(default_aux_layer_ids(num_layers)) | {num_layers})
-    if spec in ("eagle", "medusa"):
-        return [num_layers]
+    if spec in FAMILIES:
+        return FAMILIES[spec].feature_layers(num_layers)
     try:
         return [int(x) for x in spec.split(",") if x.strip()]
     except ValueError:
-        raise DraftheadsError(f"--layers {spec!r}: use eagle3, eagle, medusa or a comma list like 2,15,27,30") from None
+        raise DraftheadsError(f"--layers {spec!r}: use {', '.join(FAMILIES)} or a comma list like 2,15,27,30") from None
 
 
 def cmd_cache_features(args) -> int:
@@ -242,15 +240,23 @@ def cmd_bench(args) -> int:
         tok = target.tokenizer
         prompts = [encode_chat(tok, [{"role": "user", "content": p.turns[0]}], name=args.target)
                    for p in load_prompts(args.prompts, limit_per_domain=args.limit_per_domain)]
+        from draftheads.inference.engine import EngineConfig
+
         tree = args.tree or DEFAULT_TREE
         ngram = make_proposer(target, proposer="ngram")
-        proposers = {f"ngram ({tree})": (ngram, tree if tree == "auto" else "chain4")}
+        proposers = {f"ngram ({tree})": (ngram, tree if tree == "auto" else "chain4", None)}
+        lazy_checked = False
         for name, head in (("medusa", args.medusa), ("eagle", args.eagle), ("eagle3", args.eagle3)):
             if head:  # each head in the tree mode asked for and in vLLM's serving mode, a chain of 3
                 proposer = make_proposer(target, head=head)
-                proposers[f"{name} ({tree})"] = (proposer, tree)
+                proposers[f"{name} ({tree})"] = (proposer, tree, None)
                 if tree != "chain3":
-                    proposers[f"{name} (chain3)"] = (proposer, "chain3")
+                    proposers[f"{name} (chain3)"] = (proposer, "chain3", None)
+                if not lazy_checked:  # what projecting only the walked nodes saves, on a fixed tree
+                    fixed = tree if tree != "auto" else "medium"
+                    proposers.setdefault(f"{name} ({fixed})", (proposer, fixed, None))
+                    proposers[f"{name} ({fixed}, full lm_head)"] = (proposer, fixed, EngineConfig(lazy_lm_head=False))
+                    lazy_checked = True
     if "verify" in parts:
         from draftheads.inference.profile import verify_curve
 

@@ -23,12 +23,12 @@ import torch
 
 from draftheads.errors import DraftheadsError
 from draftheads.evaluation import machine
-from draftheads.export.vllm import HEAD_OF_FORMAT, METHODS, export_head, vllm_loader_extra
+from draftheads.export.vllm import EXPORTS, export_head, vllm_loader_extra
 from draftheads.heads import load_head
 from draftheads.inference.build import make_proposer
 from draftheads.inference.engine import Engine
-from draftheads.inference.metrics import SpecMetrics
 from draftheads.inference.sampling import SamplingParams
+from draftheads.inference.timing import generation_run, interleaved, warm_up
 from draftheads.prompts import encode_chat, load_prompts
 from draftheads.targets import DEFAULT_TARGET, load_target, resolve_target
 from draftheads.utils import atomic_dir, atomic_write_json, atomic_write_text
@@ -61,7 +61,7 @@ def run_vllm(python: str, target: Path, prompts: Path, n: int, out: Path, fmt: s
     cmd = [python, str(Path(__file__).with_name("vllm_run.py")), "--target", str(target), "--prompts", str(prompts),
            "--max-tokens", str(n), "--out", str(out)]
     if fmt:
-        cmd += ["--method", METHODS[fmt], "--draft", str(draft), "--k", str(k)]
+        cmd += ["--method", EXPORTS[fmt].method, "--draft", str(draft), "--k", str(k)]
         extra = vllm_loader_extra(fmt, json.loads((Path(draft) / "config.json").read_text()))
         if extra:
             cmd += ["--loader-extra", json.dumps(extra)]
@@ -92,16 +92,15 @@ def vllm_acceptance(counters: dict, k: int) -> tuple[float, list[float]]:
     return 1.0 + counters["num_accepted_tokens"] / drafts, [a / drafts for a in per_pos]
 
 
-def run_ours(target, proposer, tree: str | None, prompts: list[list[int]], n: int) -> dict:
-    engine = Engine(target.model, target.tokenizer, proposer, tree=tree)
-    engine.generate([prompts[0][:16]], SamplingParams(max_new_tokens=4))  # warm-up
+def run_ours(target, proposer, trees: list[str], prompts: list[list[int]], n: int) -> dict[str, dict]:
+    """Plain decoding and ``proposer`` with each tree on ``prompts``, interleaved by the timing harness."""
+    engines = {"plain": Engine(target.model, target.tokenizer, None)}
+    engines.update({t: Engine(target.model, target.tokenizer, proposer, tree=t) for t in trees} if proposer else {})
+    warm_up(engines.values(), prompts[0])
     params = SamplingParams(max_new_tokens=n)
-    m, rows = SpecMetrics(), []
-    for ids in prompts:
-        (o,) = engine.generate([ids], params)
-        m = m.merge(o.metrics)
-        rows.append(o.token_ids)
-    return {"metrics": m, "token_ids": rows, "tok_s": m.emitted_tokens / m.wall_time_s}
+    t = interleaved({name: (lambda ids, e=e: generation_run(e, [ids], params)) for name, e in engines.items()}, prompts)
+    return {name: {"metrics": t.metrics(name), "token_ids": [r.outputs[0].token_ids for r in t.runs[name]],
+                   "tok_s": t.rate(name)} for name in engines}
 
 
 def tok_s(run: dict) -> float:
@@ -127,9 +126,9 @@ def main() -> int:
     heads = {"eagle3": args.eagle3, "eagle": args.eagle, "medusa": args.medusa}
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     for fmt in formats:
-        head = heads[HEAD_OF_FORMAT[fmt]]
+        head = heads[EXPORTS[fmt].head_type]
         if not head or not os.path.isdir(head):
-            raise DraftheadsError(f"{fmt} needs a {HEAD_OF_FORMAT[fmt]} head: {HEAD_FLAGS[HEAD_OF_FORMAT[fmt]]} "
+            raise DraftheadsError(f"{fmt} needs a {EXPORTS[fmt].head_type} head: {HEAD_FLAGS[EXPORTS[fmt].head_type]} "
                                   f"{head!r} is not a directory (train one with train-head, or drop it from --formats)")
     (out / "vllm").mkdir(parents=True, exist_ok=True)
 
@@ -143,7 +142,7 @@ def main() -> int:
 
     vplain = run_vllm(args.vllm_python, tdir, prompt_file, args.max_tokens, out / "vllm" / "plain.json")
     say("ours: plain ...")
-    ours_plain = run_ours(target, None, None, ids, args.max_tokens)
+    ours_plain = run_ours(target, None, [], ids, args.max_tokens)["plain"]
     cross = sum(a == r["token_ids"] for a, r in zip(ours_plain["token_ids"], vplain["rows"]))
     res = {"command": "python scripts/vllm_check.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "machine": machine(), "target": args.target, "k": args.k, "max_tokens": args.max_tokens,
@@ -152,9 +151,9 @@ def main() -> int:
            "plain_outputs_equal_across_engines": f"{cross}/{len(ids)}", "formats": {}}
     if args.update and (out / "results.json").is_file():
         res["formats"] = json.loads((out / "results.json").read_text())["formats"]
-    ours: dict[str, tuple[dict, dict]] = {}
+    ours: dict[str, tuple[dict, dict, dict]] = {}
     for fmt in formats:
-        kind = HEAD_OF_FORMAT[fmt]
+        kind = EXPORTS[fmt].head_type
         head, _ = load_head(heads[kind])
         export_dir, cmd = export_head(head, fmt, out / "export" / fmt, verifier=str(tdir), k=args.k, target=target)
         say(f"exported {fmt}: {cmd}")
@@ -168,9 +167,10 @@ def main() -> int:
         v_tau, v_pos = vllm_acceptance(vspec["counters"], args.k)
         if kind not in ours:  # vllm-eagle3 and speculators share one head
             say(f"ours: {kind} chain{args.k} and small tree ...")
-            ours[kind] = tuple(run_ours(target, make_proposer(target, head=heads[kind]), t, ids, args.max_tokens)
-                               for t in (f"chain{args.k}", "small"))
-        chain, tree = ours[kind]
+            runs = run_ours(target, make_proposer(target, head=heads[kind]), [f"chain{args.k}", "small"], ids,
+                            args.max_tokens)
+            ours[kind] = runs[f"chain{args.k}"], runs["small"], runs["plain"]
+        chain, tree, plain_here = ours[kind]
         best = max(((f"chain{args.k}", chain), ("small", tree)), key=lambda x: x[1]["tok_s"])
         res["formats"][fmt] = {
             "vllm_tau": v_tau, "our_tau": chain["metrics"].tau,
@@ -178,7 +178,7 @@ def main() -> int:
             "ours_identical_to_our_plain": chain["token_ids"] == ours_plain["token_ids"] == tree["token_ids"],
             "vllm_per_position": v_pos, "our_per_position": chain["metrics"].alpha,
             "vllm_tok_s_plain": tok_s(vplain), "vllm_tok_s_spec": tok_s(vspec),
-            "our_tok_s_plain": ours_plain["tok_s"], "our_tok_s_spec": best[1]["tok_s"], "our_best_tree": best[0],
+            "our_tok_s_plain": plain_here["tok_s"], "our_tok_s_spec": best[1]["tok_s"], "our_best_tree": best[0],
             "our_tok_s_chain": chain["tok_s"], "our_tau_best_tree": best[1]["metrics"].tau,
             "vllm_counters": vspec["counters"], "vllm_engine_start_s": vspec["engine_start_s"],
             "vllm_command": cmd, "measured_by": res["command"], "date": res["date"],

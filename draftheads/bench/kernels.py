@@ -117,27 +117,21 @@ def bench_engine(model, batches=(1, 8, 32), rates=(0.8, 0.6, 0.4), prompt_len=12
     from draftheads.inference.engine import Engine, EngineConfig
     from draftheads.inference.proposers.random_draft import RandomProposer
     from draftheads.inference.sampling import SamplingParams
+    from draftheads.inference.timing import generation_run, interleaved, warm_up
 
     vocab = model.get_output_embeddings().weight.shape[0]
     params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
+    synthetic = EngineConfig(verifier="synthetic", synthetic_rates=tuple(rates))
+    engines = {"plain": Engine(model), "spec": Engine(model, proposer=RandomProposer(vocab), config=synthetic,
+                                                      tree=f"chain{len(rates)}")}
     out = {}
     for b in batches:
         prompts = [torch.randint(vocab, (prompt_len,)).tolist() for _ in range(b)]
-        res = {}
-        synthetic = EngineConfig(verifier="synthetic", synthetic_rates=tuple(rates))
-        for name, proposer in (("plain", None), ("spec", RandomProposer(vocab))):
-            engine = Engine(model, proposer=proposer, config=synthetic, tree=f"chain{len(rates)}")
-            engine.generate([p[:8] for p in prompts[:1]], SamplingParams(max_new_tokens=2))
-            t0 = time.perf_counter()
-            outs = engine.generate(prompts, params)
-            _sync(next(model.parameters()).device)
-            dt = time.perf_counter() - t0
-            res[f"{name}_tok_s"] = sum(len(o.token_ids) for o in outs) / dt
-            if proposer:
-                m = outs[0].metrics
-                for o in outs[1:]:
-                    m = m.merge(o.metrics)
-                res["tau"] = m.tau
+        warm_up(engines.values(), prompts[0])
+        t = interleaved({n: (lambda rows, e=e: generation_run(e, rows, params)) for n, e in engines.items()},
+                        [prompts] * 2)
+        _sync(next(model.parameters()).device)
+        res = {"plain_tok_s": t.rate("plain"), "spec_tok_s": t.rate("spec"), "tau": t.metrics("spec").tau}
         res["speedup"] = res["spec_tok_s"] / res["plain_tok_s"]
         out[b] = res
         progress(f"engine batch {b}: plain {res['plain_tok_s']:.1f} tok/s, spec {res['spec_tok_s']:.1f} tok/s "

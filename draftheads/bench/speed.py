@@ -17,6 +17,7 @@ import torch
 
 from draftheads.inference.engine import Engine
 from draftheads.inference.sampling import SamplingParams
+from draftheads.inference.timing import Run, generation_run, interleaved, tokens_per_forward, warm_up
 
 PARTS = ("verify", "proposers", "batch", "memory", "datagen")
 
@@ -42,71 +43,62 @@ def _hf_generate(model, ids, n, prompt_lookup: int | None = None):
 
 
 def proposer_speeds(target, proposers: dict, prompts: list[list[int]], n: int, progress=print) -> dict:
-    """Tokens/s per method on the same prompts at batch 1; ratio to our plain decode.
-    ``proposers``: {name: (proposer, tree mode)}."""
+    """Tokens/s per method on the same prompts at batch 1; ratio to our plain decode (pooled, and the
+    median of per-prompt ratios with quartiles). ``proposers``: {name: (proposer, tree mode, config)}."""
     from draftheads.inference.build import make_engine
 
     model = target.model
     params = SamplingParams(max_new_tokens=n, stop_at_eos=False)
     engines = {"plain": Engine(model, target.tokenizer, None)}
-    engines.update({name: make_engine(target, p, tree) for name, (p, tree) in proposers.items()})
-    methods = list(engines) + ["hf_generate", "hf_prompt_lookup"]
-    wall = dict.fromkeys(methods, 0.0)
-    tokens = dict.fromkeys(methods, 0)
-    taus: dict[str, list] = {m: [] for m in engines}
-    for e in engines.values():
-        e.generate([prompts[0][:8]], SamplingParams(max_new_tokens=2))
+    engines.update({name: make_engine(target, p, tree, cfg) for name, (p, tree, cfg) in proposers.items()})
+    warm_up(engines.values(), prompts[0])
     _hf_generate(model, prompts[0][:8], 2)
-    for i, ids in enumerate(prompts):
-        order = methods if i % 2 == 0 else methods[::-1]
-        for m in order:
+
+    def hf(prompt_lookup):
+        def run(ids):
             t0 = time.perf_counter()
-            if m in engines:
-                (o,) = engines[m].generate([ids], params)
-                got = len(o.token_ids)
-                taus[m].append(o.metrics)
-            else:
-                got = _hf_generate(model, ids, n, prompt_lookup=10 if m == "hf_prompt_lookup" else None)
-            wall[m] += time.perf_counter() - t0
-            tokens[m] += got
-        progress(f"proposers: prompt {i + 1}/{len(prompts)}")
+            got = _hf_generate(model, ids, n, prompt_lookup=prompt_lookup)
+            return Run(time.perf_counter() - t0, got)
+        return run
+
+    methods = {name: (lambda ids, e=e: generation_run(e, [ids], params)) for name, e in engines.items()}
+    methods.update({"hf_generate": hf(None), "hf_prompt_lookup": hf(10)})
+    t = interleaved(methods, prompts, progress=lambda i: progress(f"proposers: prompt {i + 1}/{len(prompts)}"))
     out = {}
-    plain_rate = tokens["plain"] / wall["plain"]
     for m in methods:
-        rate = tokens[m] / wall[m]
-        out[m] = {"tokens_per_s": rate, "ratio_vs_plain": rate / plain_rate}
-        if m in taus and m != "plain":
-            agg = taus[m][0]
-            for x in taus[m][1:]:
-                agg = agg.merge(x)
-            out[m]["tau"] = agg.tau
-            out[m]["alpha"] = agg.alpha
+        out[m] = {"tokens_per_s": t.rate(m), "ratio_vs_plain": t.rate(m) / t.rate("plain")}
+        if m in engines and m != "plain":
+            agg = t.metrics(m)
+            r = t.ratio(m)
+            out[m].update(tau=agg.tau, alpha=agg.alpha, tokens_per_forward=tokens_per_forward(agg),
+                          drafted_steps=agg.drafts, steps=agg.target_forwards, ratio_median=r["median"],
+                          ratio_q25=r["q25"], ratio_q75=r["q75"], implausible=r["flagged"])
     return out
 
 
 def batch_sweep(target, proposers: dict, prompts: list[list[int]], n: int, batches=(1, 2, 4, 8, 16),
-                progress=print) -> dict:
-    """Speedup of each proposer over plain decoding at each batch size (same prompts, alternating).
-    ``proposers``: {name: (proposer, tree mode)}; one engine per proposer serves every batch size, as a
-    server would (``auto`` keeps its measurements per batch size)."""
+                repeats: int = 3, progress=print) -> dict:
+    """Speedup of each proposer over plain decoding at each batch size (same rows, interleaved, ``repeats``
+    pairs; the pooled ratio with the median and quartiles of the pairs). ``proposers``: {name: (proposer,
+    tree mode, config)}; one engine per proposer serves every batch size, as a server would (``auto``
+    keeps its measurements per batch size)."""
     from draftheads.inference.build import make_engine
 
     model = target.model
     params = SamplingParams(max_new_tokens=n, stop_at_eos=False)
     plain = Engine(model, target.tokenizer, None)
-    engines = {name: make_engine(target, p, tree) for name, (p, tree) in proposers.items()}
+    engines = {name: make_engine(target, p, tree, cfg) for name, (p, tree, cfg) in proposers.items()}
+    warm_up([plain, *engines.values()], prompts[0])
     out: dict = {name: {} for name in proposers}
     for b in batches:
         rows = [prompts[i % len(prompts)] for i in range(b)]
-        for name, spec in engines.items():
-            times = {"plain": 0.0, "spec": 0.0}
-            for rep in range(2):
-                for which, eng in ((("plain", plain), ("spec", spec)) if rep == 0 else (("spec", spec), ("plain", plain))):
-                    t0 = time.perf_counter()
-                    eng.generate(rows, params)
-                    times[which] += time.perf_counter() - t0
-            out[name][b] = times["plain"] / times["spec"]
-            progress(f"batch sweep: {name} batch {b}: {out[name][b]:.2f}x")
+        methods = {"plain": lambda rows: generation_run(plain, rows, params)}
+        methods.update({name: (lambda rows, e=e: generation_run(e, rows, params)) for name, e in engines.items()})
+        t = interleaved(methods, [rows] * repeats)
+        for name in engines:
+            r = t.ratio(name)
+            out[name][b] = {"speedup": r["speedup"], "q25": r["q25"], "q75": r["q75"]}
+            progress(f"batch sweep: {name} batch {b}: {r['speedup']:.2f}x (pairs {r['q25']:.2f}-{r['q75']:.2f})")
     return out
 
 
@@ -156,16 +148,22 @@ def tables(res: dict) -> str:
                       f"takes {mb['weight_read_ms']:.1f} ms; the 1-token forward takes {mb['k1_ms']:.1f} ms "
                       f"({mb['k1_over_weight_read']:.2f}x)", ""]
     if "proposers" in res:
-        lines += ["| method | tokens/s | vs plain | τ |", "|---|---|---|---|"]
+        lines += ["| method | tokens/s | vs plain (pooled) | per-prompt median (quartiles) | τ | drafted steps |",
+                  "|---|---|---|---|---|---|"]
         for m, v in res["proposers"].items():
             tau = f"{v['tau']:.2f}" if "tau" in v else "-"
-            lines.append(f"| {m} | {v['tokens_per_s']:.1f} | {v['ratio_vs_plain']:.2f}x | {tau} |")
+            med = f"{v['ratio_median']:.2f}x ({v['ratio_q25']:.2f}-{v['ratio_q75']:.2f})" if "ratio_median" in v else "-"
+            if v.get("implausible"):
+                med += f", {v['implausible']} prompts disturbed (above τ), re-run"
+            drafted = f"{v['drafted_steps']}/{v['steps']}" if "steps" in v else "-"
+            lines.append(f"| {m} | {v['tokens_per_s']:.1f} | {v['ratio_vs_plain']:.2f}x | {med} | {tau} | {drafted} |")
         lines.append("")
     if "batch_sweep" in res:
         bs = sorted({int(b) for v in res["batch_sweep"].values() for b in v})
         lines += ["| proposer | " + " | ".join(f"batch {b}" for b in bs) + " |", "|---" * (len(bs) + 1) + "|"]
         for name, v in res["batch_sweep"].items():
-            lines.append(f"| {name} | " + " | ".join(f"{v[b]:.2f}x" if b in v else "-" for b in bs) + " |")
+            lines.append(f"| {name} | " + " | ".join(
+                f"{v[b]['speedup']:.2f}x ({v[b]['q25']:.2f}-{v[b]['q75']:.2f})" if b in v else "-" for b in bs) + " |")
         lines.append("")
     if "datagen" in res:
         d = res["datagen"]
@@ -209,7 +207,7 @@ def plots(res: dict, out) -> list:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for name, v in res["batch_sweep"].items():
             bs = sorted(v, key=int)
-            ax.plot([int(b) for b in bs], [v[b] for b in bs], marker="o", label=name)
+            ax.plot([int(b) for b in bs], [v[b]["speedup"] for b in bs], marker="o", label=name)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")

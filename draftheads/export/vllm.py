@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,10 +24,6 @@ from safetensors.torch import load_file, save_file
 
 from draftheads.errors import DraftheadsError
 from draftheads.utils import atomic_dir
-
-FORMATS = ("vllm-eagle3", "vllm-eagle", "vllm-medusa", "speculators")
-METHODS = {"vllm-eagle3": "eagle3", "speculators": "eagle3", "vllm-eagle": "eagle", "vllm-medusa": "medusa"}
-HEAD_OF_FORMAT = {"vllm-eagle3": "eagle3", "speculators": "eagle3", "vllm-eagle": "eagle", "vllm-medusa": "medusa"}
 
 _LAYER_KEYS = [
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -269,7 +267,7 @@ def vllm_loader_extra(fmt: str, config: dict) -> dict | None:
 
 
 def vllm_command(target: str, export_dir: str | os.PathLike, fmt: str, k: int, config: dict) -> str:
-    spec = json.dumps({"method": METHODS[fmt], "model": str(export_dir), "num_speculative_tokens": k})
+    spec = json.dumps({"method": EXPORTS[fmt].method, "model": str(export_dir), "num_speculative_tokens": k})
     cmd = f"vllm serve {target} --speculative-config '{spec}'"
     extra = vllm_loader_extra(fmt, config)
     if extra:
@@ -277,31 +275,60 @@ def vllm_command(target: str, export_dir: str | os.PathLike, fmt: str, k: int, c
     return cmd
 
 
+def _vllm_eagle3(head, target, verifier, k):
+    return eagle3_config(head), eagle3_tensors(head)
+
+
+def _vllm_eagle(head, target, verifier, k):
+    if head.config.fc_bias:
+        raise DraftheadsError("vLLM drops EAGLE-1's fc.bias silently; this head has one: retrain with fc_bias off")
+    return eagle_config(head), eagle_tensors(head)
+
+
+def _vllm_medusa(head, target, verifier, k):
+    lm = target.model.get_output_embeddings().weight if target is not None else None
+    return medusa_config(head), medusa_tensors(head, lm)
+
+
+def _speculators(head, target, verifier, k):
+    if target is None or verifier is None:
+        raise DraftheadsError("the speculators format embeds the verifier's embeddings: pass --verifier TARGET")
+    arch = list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
+    tensors = eagle3_tensors(head)
+    tensors["embed_tokens.weight"] = target.model.get_input_embeddings().weight
+    return speculators_config(head, verifier, arch, k), tensors
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    head_type: str
+    """The head family this format holds."""
+    method: str
+    """vLLM's ``speculative_config.method`` for it."""
+    build: Callable
+    """(head, target, verifier, k) -> (config dict, tensors)."""
+
+
+EXPORTS = {
+    "vllm-eagle3": ExportFormat("eagle3", "eagle3", _vllm_eagle3),
+    "vllm-eagle": ExportFormat("eagle", "eagle", _vllm_eagle),
+    "vllm-medusa": ExportFormat("medusa", "medusa", _vllm_medusa),
+    "speculators": ExportFormat("eagle3", "eagle3", _speculators),
+}
+FORMATS = tuple(EXPORTS)
+
+
 def export_head(head, fmt: str, out: str | os.PathLike, verifier: str | None = None, k: int = 3,
                 target=None, serve_target: str | None = None) -> tuple[Path, str]:
     """Write ``head`` in ``fmt``; ``target`` (a loaded Target) supplies shared weights when needed.
     Returns the path and the ``vllm serve`` command for ``serve_target`` (default: ``verifier``)."""
-    if fmt not in FORMATS:
+    if fmt not in EXPORTS:
         raise DraftheadsError(f"--format {fmt!r} is unknown: use one of {', '.join(FORMATS)}")
-    if HEAD_OF_FORMAT[fmt] != head.head_type:
-        raise DraftheadsError(f"--format {fmt} exports {HEAD_OF_FORMAT[fmt]} heads, but this head is {head.head_type}")
+    spec = EXPORTS[fmt]
+    if spec.head_type != head.head_type:
+        raise DraftheadsError(f"--format {fmt} exports {spec.head_type} heads, but this head is {head.head_type}")
     if k < 1:
         raise DraftheadsError(f"--num-speculative-tokens {k} must be >= 1")
-    if fmt == "vllm-eagle3":
-        config, tensors = eagle3_config(head), eagle3_tensors(head)
-    elif fmt == "vllm-eagle":
-        config, tensors = eagle_config(head), eagle_tensors(head)
-        if head.config.fc_bias:
-            raise DraftheadsError("vLLM drops EAGLE-1's fc.bias silently; this head has one: retrain with fc_bias off")
-    elif fmt == "vllm-medusa":
-        lm = target.model.get_output_embeddings().weight if target is not None else None
-        config, tensors = medusa_config(head), medusa_tensors(head, lm)
-    else:
-        if target is None or verifier is None:
-            raise DraftheadsError("the speculators format embeds the verifier's embeddings: pass --verifier TARGET")
-        arch = list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
-        config = speculators_config(head, verifier, arch, k)
-        tensors = eagle3_tensors(head)
-        tensors["embed_tokens.weight"] = target.model.get_input_embeddings().weight
+    config, tensors = spec.build(head, target, verifier, k)
     path = write_export(out, fmt, config, tensors)
     return path, vllm_command(serve_target or verifier or "TARGET", path, fmt, k, config)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from draftheads.errors import DraftheadsError
@@ -22,6 +23,8 @@ class HeadFamily:
     config: type
     module: type
     proposer_path: str
+    feature_layers: Callable[[int], list[int]]
+    """HF hidden-state ids its training reads from a target of ``num_layers`` layers (default config)."""
 
     @property
     def proposer(self) -> type:
@@ -29,10 +32,20 @@ class HeadFamily:
         return getattr(importlib.import_module(mod), name)
 
 
+def _last_layer(num_layers: int) -> list[int]:
+    return [num_layers]
+
+
+def _eagle3_layers(num_layers: int) -> list[int]:
+    return sorted(set(default_aux_layer_ids(num_layers)) | {num_layers})
+
+
 FAMILIES = {
-    "medusa": HeadFamily(MedusaConfig, MedusaHeads, "draftheads.inference.proposers.medusa:MedusaProposer"),
-    "eagle": HeadFamily(EagleConfig, EagleHead, "draftheads.inference.proposers.eagle:EagleProposer"),
-    "eagle3": HeadFamily(Eagle3Config, Eagle3Head, "draftheads.inference.proposers.eagle3:Eagle3Proposer"),
+    "medusa": HeadFamily(MedusaConfig, MedusaHeads, "draftheads.inference.proposers.medusa:MedusaProposer",
+                         _last_layer),
+    "eagle": HeadFamily(EagleConfig, EagleHead, "draftheads.inference.proposers.eagle:EagleProposer", _last_layer),
+    "eagle3": HeadFamily(Eagle3Config, Eagle3Head, "draftheads.inference.proposers.eagle3:Eagle3Proposer",
+                         _eagle3_layers),
 }
 HEAD_TYPES = {name: (f.config, f.module) for name, f in FAMILIES.items()}
 
