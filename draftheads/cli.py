@@ -245,18 +245,17 @@ def cmd_bench(args) -> int:
         tree = args.tree or DEFAULT_TREE
         ngram = make_proposer(target, proposer="ngram")
         proposers = {f"ngram ({tree})": (ngram, tree if tree == "auto" else "chain4", None)}
-        lazy_checked = False
+        lm_head_check = {}  # what projecting only the walked nodes saves, on a fixed tree (proposers part)
         for name, head in (("medusa", args.medusa), ("eagle", args.eagle), ("eagle3", args.eagle3)):
             if head:  # each head in the tree mode asked for and in vLLM's serving mode, a chain of 3
                 proposer = make_proposer(target, head=head)
                 proposers[f"{name} ({tree})"] = (proposer, tree, None)
                 if tree != "chain3":
                     proposers[f"{name} (chain3)"] = (proposer, "chain3", None)
-                if not lazy_checked:  # what projecting only the walked nodes saves, on a fixed tree
+                if args.lm_head_check and not lm_head_check:
                     fixed = tree if tree != "auto" else "medium"
-                    proposers.setdefault(f"{name} ({fixed})", (proposer, fixed, None))
-                    proposers[f"{name} ({fixed}, full lm_head)"] = (proposer, fixed, EngineConfig(lazy_lm_head=False))
-                    lazy_checked = True
+                    lm_head_check = {f"{name} ({fixed}, lazy lm_head)": (proposer, fixed, None),
+                                     f"{name} ({fixed}, full lm_head)": (proposer, fixed, EngineConfig(lazy_lm_head=False))}
     if "verify" in parts:
         from draftheads.inference.profile import verify_curve
 
@@ -265,7 +264,8 @@ def cmd_bench(args) -> int:
         res["memory_bound"] = speed.memory_bound_check(target.model, curve)
         say(f"verify curve: {res['verify_curve']}")
     if "proposers" in parts:
-        res["proposers"] = speed.proposer_speeds(target, proposers, prompts, args.max_new_tokens, progress=say)
+        res["proposers"] = speed.proposer_speeds(target, {**proposers, **lm_head_check}, prompts, args.max_new_tokens,
+                                                 progress=say)
     if "batch" in parts:
         batches = [int(b) for b in args.batches.split(",")]
         res["batch_sweep"] = speed.batch_sweep(target, proposers, prompts, args.batch_tokens, batches, progress=say)
@@ -430,6 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", default="auto", help="mode of each head beside chain3: auto (default) or a tree")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--datagen-batch", type=int, default=64, help="batch of the datagen part (2x as many prompts)")
+    p.add_argument("--lm-head-check", action="store_true",
+                   help="proposers part: also time the first head on a fixed tree with the full lm_head projection")
     p.add_argument("--only", default=None, help="comma list of: verify, proposers, batch, memory, datagen")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_bench, argv=None)

@@ -125,6 +125,7 @@ def summarize(results: list[PromptResult]) -> dict:
         "alpha": m.alpha,
         "acceptance_rate": m.acceptance_rate,
         "drafts": m.drafts,
+        "steps": m.target_forwards,
         "draft_tokens": m.draft_tokens,
         "accepted": m.accepted,
         "tokens_per_s_plain": sum(r.plain_tokens for r in results) / plain_wall if plain_wall else 0.0,
@@ -164,14 +165,14 @@ def markdown(res: dict) -> str:
     modes = res["modes"]
     k = max((len(v["alpha"]) for m in modes.values() for v in m["domains"].values()), default=0)
     head = "| mode | domain | prompts | τ (±95% CI) | " + " | ".join(f"α@{i + 1}" for i in range(k)) + \
-        " | plain tok/s | spec tok/s | speedup | mismatches |"
+        " | drafted steps | plain tok/s | spec tok/s | speedup | mismatches |"
     lines = [f"`{res['command']}`", "", head, "|" + "---|" * (head.count("|") - 1)]
     for mode, m in modes.items():
         for name, v in list(m["domains"].items()) + [("**overall**", m["overall"])]:
-            alphas = " | ".join(f"{a:.2f}" for a in v["alpha"]) + " | -" * (k - len(v["alpha"]))
+            alphas = " | ".join([f"{a:.2f}" for a in v["alpha"]] + ["-"] * (k - len(v["alpha"])))
             lines.append(
                 f"| {mode} | {name} | {v['n_prompts']} | {v['tau']:.2f} ± {v['tau_ci95']:.2f} | {alphas} | "
-                f"{v['tokens_per_s_plain']:.1f} | {v['tokens_per_s_spec']:.1f} | {_speedup(v)} | "
+                f"{v['drafts']}/{v.get('steps', v['drafts'])} | {v['tokens_per_s_plain']:.1f} | {v['tokens_per_s_spec']:.1f} | {_speedup(v)} | "
                 f"{v['greedy_mismatches']} |"
             )
     return "\n".join(lines) + "\n"

@@ -49,7 +49,8 @@ def proposer_speeds(target, proposers: dict, prompts: list[list[int]], n: int, p
 
     model = target.model
     params = SamplingParams(max_new_tokens=n, stop_at_eos=False)
-    engines = {"plain": Engine(model, target.tokenizer, None)}
+    # "plain (again)": a second plain engine, the A/A control: its ratio is the harness's noise floor
+    engines = {"plain": Engine(model, target.tokenizer, None), "plain (again)": Engine(model, target.tokenizer, None)}
     engines.update({name: make_engine(target, p, tree, cfg) for name, (p, tree, cfg) in proposers.items()})
     warm_up(engines.values(), prompts[0])
     _hf_generate(model, prompts[0][:8], 2)
@@ -67,12 +68,13 @@ def proposer_speeds(target, proposers: dict, prompts: list[list[int]], n: int, p
     out = {}
     for m in methods:
         out[m] = {"tokens_per_s": t.rate(m), "ratio_vs_plain": t.rate(m) / t.rate("plain")}
-        if m in engines and m != "plain":
-            agg = t.metrics(m)
+        if m != "plain":
             r = t.ratio(m)
+            out[m].update(ratio_median=r["median"], ratio_q25=r["q25"], ratio_q75=r["q75"], implausible=r["flagged"])
+        if m in engines and engines[m].proposer is not None:
+            agg = t.metrics(m)
             out[m].update(tau=agg.tau, alpha=agg.alpha, tokens_per_forward=tokens_per_forward(agg),
-                          drafted_steps=agg.drafts, steps=agg.target_forwards, ratio_median=r["median"],
-                          ratio_q25=r["q25"], ratio_q75=r["q75"], implausible=r["flagged"])
+                          drafted_steps=agg.drafts, steps=agg.target_forwards)
     return out
 
 
@@ -87,9 +89,10 @@ def batch_sweep(target, proposers: dict, prompts: list[list[int]], n: int, batch
     model = target.model
     params = SamplingParams(max_new_tokens=n, stop_at_eos=False)
     plain = Engine(model, target.tokenizer, None)
-    engines = {name: make_engine(target, p, tree, cfg) for name, (p, tree, cfg) in proposers.items()}
+    engines = {"plain (again)": Engine(model, target.tokenizer, None)}  # the A/A control
+    engines.update({name: make_engine(target, p, tree, cfg) for name, (p, tree, cfg) in proposers.items()})
     warm_up([plain, *engines.values()], prompts[0])
-    out: dict = {name: {} for name in proposers}
+    out: dict = {name: {} for name in engines}
     for b in batches:
         rows = [prompts[i % len(prompts)] for i in range(b)]
         methods = {"plain": lambda rows: generation_run(plain, rows, params)}

@@ -115,10 +115,7 @@ class Engine:
         self.eos = set(eos_token_ids)
         use = self.config.use_triton
         self.use_triton = (self.device.type == "cuda") if use is None else use
-        if self.config.verifier == "synthetic":
-            self.verifier = VERIFIERS["synthetic"](self.config.synthetic_rates)
-        else:
-            self.verifier = VERIFIERS["exact"](fused=self.use_triton)
+        self.verifier = VERIFIERS[self.config.verifier].from_config(self.config, fused=self.use_triton)
         self.steps = 0  # engine steps over all generate calls (the per-request switch counts in them)
 
     @property

@@ -11,10 +11,12 @@ The algorithm, per engine and across its ``generate`` calls:
 * **Choice**: the arm with the best rate: decayed mean tokens per step over the median of its last
   nine step times (a step stalled by other work on the machine does not move the median).
 * **Exploration**: an arm is measured for ``explore_steps`` steps before it can be compared, cheapest
-  first. When an explored arm runs below ``prune`` times plain decoding, the larger trees are not
-  explored in that round: they cost more per step and, with the same drafter, accept little more.
+  first.
 * **Probe schedule**: every arm that is not the best is tried for one step after ``probe_after``
-  steps; each probe it loses doubles its wait (up to ``max_probe_after``), a win resets it.
+  steps; each probe it loses doubles its wait (up to ``max_probe_after``), a win resets it. While a
+  tree runs below ``prune`` times the best arm, the larger trees wait for its next probe: they cost
+  more per step and, with the same drafter, accept little more, so only the smallest losing tree is
+  probed until it comes close.
 * **Large batch**: from the step times measured at each number of query tokens (the verify curve,
   seeded by ``draftheads profile`` where it was run), an arm is skipped when even its best case,
   every drafted token accepted, cannot beat plain decoding: (depth + 1) * t(batch) < t(batch * tree).
@@ -98,7 +100,7 @@ class AutoTree:
     trees: dict[str, TreeSpec]  # arm name -> tree, cheapest first; plain decoding is the arm None
     explore_steps: int = 2
     decay: float = 0.98
-    prune: float = 0.8
+    prune: float = 1.0
     probe_after: int = 32
     max_probe_after: int = 1024
     curve: CostCurve = field(default_factory=CostCurve)
@@ -153,17 +155,16 @@ class AutoTree:
         self.curve.add(query_tokens, seconds)
         if s.steps < self.explore_steps:
             return
-        plain = stats[None]
-        if arm is not None and s.steps == self.explore_steps and plain.steps and s.rate < self.prune * plain.rate:
-            names = list(self.trees)
-            for a in names[names.index(arm) + 1:]:  # larger trees wait for their probes
-                if stats[a].steps < self.explore_steps:
-                    stats[a].next_probe = step + stats[a].probe_after
-        if arm == self.best(batch):
+        best = self.best(batch)
+        if arm == best:
             s.probe_after = self.probe_after
         elif s.steps > self.explore_steps:
             s.probe_after = min(2 * s.probe_after, self.max_probe_after)
         s.next_probe = step + s.probe_after
+        if arm is not None and arm != best and s.rate < self.prune * stats[best].rate:
+            names = list(self.trees)
+            for a in names[names.index(arm) + 1:]:  # larger trees wait until this one comes close
+                stats[a].next_probe = max(stats[a].next_probe, s.next_probe + 1)
 
     def best(self, batch: int = 1) -> str | None:
         stats = self._stats(_bucket(batch))

@@ -168,6 +168,11 @@ class Verifier:
 
     name = "none"
 
+    @classmethod
+    def from_config(cls, config, fused: bool = False) -> Verifier:
+        """Built from an :class:`~draftheads.inference.engine.EngineConfig`."""
+        return cls()
+
     def verify(self, states, trees: list[Tree], logits: NodeLogits) -> list[VerifyResult]:  # pragma: no cover
         raise NotImplementedError
 
@@ -189,6 +194,10 @@ class ExactVerifier(Verifier):
 
     def __init__(self, fused: bool = False):
         self.fused = fused
+
+    @classmethod
+    def from_config(cls, config, fused: bool = False) -> ExactVerifier:
+        return cls(fused=fused)
 
     def verify(self, states, trees, logits):
         offs = _offsets(trees)
@@ -266,6 +275,10 @@ class SyntheticVerifier(Verifier):
             raise DraftheadsError(f"synthetic acceptance rates {rates} must be a non-empty list in [0, 1]")
         self.rates = rates
         self.gen = torch.Generator().manual_seed(seed)
+
+    @classmethod
+    def from_config(cls, config, fused: bool = False) -> SyntheticVerifier:
+        return cls(config.synthetic_rates)
 
     def verify(self, states, trees, logits):
         out = []
