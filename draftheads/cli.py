@@ -267,8 +267,14 @@ def cmd_bench(args) -> int:
         res["proposers"] = speed.proposer_speeds(target, {**proposers, **lm_head_check}, prompts, args.max_new_tokens,
                                                  progress=say)
     if "batch" in parts:
-        batches = [int(b) for b in args.batches.split(",")]
-        res["batch_sweep"] = speed.batch_sweep(target, proposers, prompts, args.batch_tokens, batches, progress=say)
+        try:
+            batches = [int(b) for b in args.batches.split(",")]
+        except ValueError:
+            raise DraftheadsError(f"--batches {args.batches!r}: give a comma list of batch sizes like 1,4,16") from None
+        if not batches or min(batches) < 1 or args.batch_repeats < 1:
+            raise DraftheadsError(f"--batches {args.batches!r} and --batch-repeats {args.batch_repeats} must be >= 1")
+        res["batch_sweep"] = speed.batch_sweep(target, proposers, prompts, args.batch_tokens, batches,
+                                               repeats=args.batch_repeats, progress=say)
     if "datagen" in parts:
         gen_prompts = [encode_chat(tok, [{"role": "user", "content": p.turns[0]}], name=args.target)
                        for p in load_prompts("bundled:train")][: 2 * args.datagen_batch]
@@ -427,6 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-tokens", type=int, default=32, help="new tokens per row in the batch sweep")
     p.add_argument("--batches", default="1,2,4,8,16")
+    p.add_argument("--batch-repeats", type=int, default=3,
+                   help="interleaved plain/speculative pairs per batch size (more pairs resolve smaller differences)")
     p.add_argument("--tree", default="auto", help="mode of each head beside chain3: auto (default) or a tree")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--datagen-batch", type=int, default=64, help="batch of the datagen part (2x as many prompts)")
