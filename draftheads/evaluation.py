@@ -134,17 +134,10 @@ def summarize(results: list[PromptResult]) -> dict:
         "speedup_mean_over_prompts": sp_mean,
         "speedup_ci95": sp_ci,
         "speedup_median_over_prompts": statistics.median(speedups) if speedups else float("nan"),
-        "tokens_per_forward": tokens_per_forward(_merged(results)),
+        "tokens_per_forward": tokens_per_forward(m),
         "implausible_timings": sum(r.flagged for r in results),
         "greedy_mismatches": sum(r.mismatches for r in results),
     }
-
-
-def _merged(results: list[PromptResult]) -> SpecMetrics:
-    m = SpecMetrics()
-    for r in results:
-        m = m.merge(r.metrics)
-    return m
 
 
 def report(results: dict[str, list[PromptResult]], meta: dict) -> dict:

@@ -6,7 +6,7 @@ from draftheads.errors import DraftheadsError
 from draftheads.heads import check_head_fits_target, load_head
 from draftheads.inference.engine import Engine, EngineConfig
 from draftheads.inference.policy import AutoTree
-from draftheads.inference.tree import DEFAULT_TREE, parse_tree
+from draftheads.inference.tree import DEFAULT_TREE
 
 PROPOSERS = ("ngram",)
 """Proposers that need no trained head (``--proposer NAME``)."""
@@ -41,7 +41,7 @@ def make_engine(target, proposer, tree: str | None = None, config: EngineConfig 
     if proposer is not None and tree == "auto":
         from draftheads.inference.profile import load_profile
 
-        policy = AutoTree({n: parse_tree(n) for n in proposer.auto_trees})
+        policy = AutoTree.for_proposer(proposer)
         curve = load_profile(target.info.name, str(target.model.device.type))
         if curve:
             policy.curve.seed(curve)

@@ -86,7 +86,7 @@ class Engine:
         self.policy = self.switch = self.tree = None
         if proposer is not None:
             if policy is not None or tree == "auto":
-                self.policy = policy or AutoTree({n: parse_tree(n) for n in proposer.auto_trees})
+                self.policy = policy or AutoTree.for_proposer(proposer)
                 self.switch = RequestSwitch()
                 for t in self.policy.trees.values():
                     proposer.check_tree(t)

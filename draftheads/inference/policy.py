@@ -27,13 +27,14 @@ The algorithm, per engine and across its ``generate`` calls:
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
 from draftheads.inference.proposers.base import RequestState
-from draftheads.inference.tree import TreeSpec
+from draftheads.inference.tree import TreeSpec, parse_tree
 
 
 @dataclass
@@ -86,12 +87,8 @@ class CostCurve:
         known = sorted((n, s / w) for n, (s, w) in self.points.items() if w > 0)
         if len(known) < 2:
             return None
-        lo = [p for p in known if p[0] <= tokens]
-        hi = [p for p in known if p[0] >= tokens]
-        (n0, t0), (n1, t1) = (lo[-1], hi[0]) if lo and hi and lo[-1] != hi[0] else \
-            ((known[-2], known[-1]) if not hi else (known[0], known[1]) if not lo else (lo[-1], lo[-1]))
-        if n0 == n1:
-            return t0
+        i = min(max(bisect.bisect_left([n for n, _ in known], tokens), 1), len(known) - 1)
+        (n0, t0), (n1, t1) = known[i - 1], known[i]
         return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
 
 
@@ -107,6 +104,11 @@ class AutoTree:
     stats: dict[int, dict[str | None, ArmStats]] = field(default_factory=dict)  # batch bucket -> arm -> stats
     steps: dict[int, int] = field(default_factory=dict)
 
+    @classmethod
+    def for_proposer(cls, proposer) -> AutoTree:
+        """Plain decoding and the proposer's ``auto_trees``."""
+        return cls({n: parse_tree(n) for n in proposer.auto_trees})
+
     @property
     def arms(self) -> list[str | None]:
         return [None, *self.trees]
@@ -117,19 +119,22 @@ class AutoTree:
             self.steps[b] = 0
         return self.stats[b]
 
-    def can_pay(self, arm: str | None, batch: int) -> bool:
-        """False when, by the measured curve, even full acceptance cannot beat plain decoding."""
+    def can_pay(self, arm: str | None, batch: int, plain: float | None = None) -> bool:
+        """False when, by the measured curve, even full acceptance cannot beat plain decoding
+        (``plain``: the curve's estimate at ``batch``, when the caller has it)."""
         if arm is None:
             return True
         tree = self.trees[arm]
-        plain, spec = self.curve.estimate(batch), self.curve.estimate(batch * tree.total_tokens)
+        plain = self.curve.estimate(batch) if plain is None else plain
+        spec = self.curve.estimate(batch * tree.total_tokens)
         return plain is None or spec is None or (tree.depth + 1) * plain >= spec
 
     def choose(self, batch: int) -> str | None:
         """The arm for the next step of a batch of ``batch`` rows."""
         stats = self._stats(_bucket(batch))
         step = self.steps[_bucket(batch)] + 1
-        arms = [a for a in self.arms if self.can_pay(a, batch) and step >= stats[a].next_probe]
+        plain = self.curve.estimate(batch)
+        arms = [a for a in self.arms if self.can_pay(a, batch, plain) and step >= stats[a].next_probe]
         for a in arms:  # exploration, cheapest first
             if stats[a].steps < self.explore_steps:
                 return a

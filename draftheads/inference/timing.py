@@ -83,7 +83,6 @@ def generation_run(engine, prompts: list[list[int]], params) -> Run:
     m = SpecMetrics()
     for o in outs:
         m = m.merge(o.metrics)
-    m.emitted_tokens = sum(len(o.token_ids) for o in outs)
     return Run(dt, m.emitted_tokens, m if engine.proposer is not None else None, outs)
 
 

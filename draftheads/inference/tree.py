@@ -8,6 +8,7 @@ at depth 2.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -199,6 +200,12 @@ class TreeSpec:
         if self.is_chain:
             return [tuple([0] * k) for k in range(1, depth + 1)]
         return greedy_shape(default_rank_accept(depth, self.top_k), self.total_tokens - 1)
+
+
+@functools.lru_cache(maxsize=64)
+def static_tree(spec: TreeSpec, max_depth: int | None = None) -> tuple[list[int], list[tuple[int, ...]]]:
+    """(parents, rank path of every node) of ``spec.shape(max_depth)``, computed once per tree."""
+    return shape_from_paths(spec.shape(max_depth))
 
 
 def parse_tree(spec: str | os.PathLike) -> TreeSpec:

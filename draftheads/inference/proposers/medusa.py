@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from draftheads.inference.proposers.base import Proposer, RequestState
-from draftheads.inference.tree import Tree, TreeSpec, shape_from_paths
+from draftheads.inference.tree import Tree, TreeSpec, static_tree
 
 
 class MedusaProposer(Proposer):
@@ -21,16 +21,10 @@ class MedusaProposer(Proposer):
         self.layer_ids = (target.config.get_text_config().num_hidden_layers,)
         self.target_lm_head = target.get_output_embeddings().weight
         self.num_heads = head.config.num_heads
-        self.shapes: dict[TreeSpec, tuple[list[int], list[tuple[int, ...]]]] = {}
         self.last: dict[int, torch.Tensor] = {}
 
     def check_tree(self, tree: TreeSpec) -> None:
         tree.shape(self.num_heads)  # a tree file deeper than the head is refused
-
-    def _shape(self, tree: TreeSpec):
-        if tree not in self.shapes:
-            self.shapes[tree] = shape_from_paths(tree.shape(self.num_heads))
-        return self.shapes[tree]
 
     def start(self, st: RequestState, hidden) -> None:
         self.last[st.rid] = hidden[self.layer_ids[0]][-1]
@@ -43,7 +37,7 @@ class MedusaProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, st: RequestState, tree: TreeSpec) -> Tree:
-        parents, paths = self._shape(tree)
+        parents, paths = static_tree(tree, self.num_heads)
         top_k = max(max(p) for p in paths[1:]) + 1
         h = self.last[st.rid].to(self.target_lm_head.dtype)
         feats = self.head(h[None])[:, 0]  # [K, H]

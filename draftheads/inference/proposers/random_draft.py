@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from draftheads.inference.proposers.base import Proposer, RequestState
-from draftheads.inference.tree import Tree, TreeSpec, chain_parents, shape_from_paths
+from draftheads.inference.tree import Tree, TreeSpec, chain_parents, static_tree
 
 
 class RandomProposer(Proposer):
@@ -20,6 +20,6 @@ class RandomProposer(Proposer):
         pass  # any shape
 
     def propose(self, state: RequestState, tree: TreeSpec) -> Tree:
-        parents = chain_parents(tree.depth) if tree.is_chain else shape_from_paths(tree.shape())[0]
+        parents = chain_parents(tree.depth) if tree.is_chain else static_tree(tree)[0]
         tokens = torch.randint(self.vocab_size, (len(parents) - 1,), generator=self.gen).tolist()
         return Tree([state.root, *tokens], parents)
