@@ -9,7 +9,59 @@ import sys
 import time
 
 from draftheads.errors import DraftheadsError
+from draftheads.inference.sampling import SamplingParams
 from draftheads.targets import DEFAULT_TARGET
+from draftheads.utils import check_writable_file
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error form: one ``error:`` line naming the fix, no usage dump."""
+
+    def error(self, message):
+        print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _sampling(args) -> SamplingParams:
+    """The sampling flags, checked before anything is loaded."""
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=getattr(args, "top_k", 0),
+                          max_new_tokens=args.max_new_tokens, seed=args.seed)
+
+
+def _trees(spec: str, flag: str = "--tree") -> list[str]:
+    """The comma list of tree modes, each one parsed (so a tree too large fails before drafting)."""
+    from draftheads.inference.tree import parse_tree
+
+    modes = [m.strip() for m in spec.split(",") if m.strip()]
+    if not modes or len(set(modes)) != len(modes):
+        raise DraftheadsError(f"{flag} {spec!r}: give one or more distinct modes, e.g. auto,chain3")
+    for m in modes:
+        if m != "auto":
+            parse_tree(m)
+    return modes
+
+
+def _one_tree(spec: str) -> str:
+    modes = _trees(spec)
+    if len(modes) > 1:
+        raise DraftheadsError(f"--tree {spec!r}: give one mode here (eval takes a list)")
+    return modes[0]
+
+
+def _ints(spec: str, flag: str, low: int = 1) -> list[int]:
+    try:
+        values = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < low:
+        raise DraftheadsError(f"{flag} {spec!r}: give a comma list of whole numbers >= {low}, like 1,4,16")
+    return values
+
+
+def _at_least(value: int, flag: str, low: int = 1) -> int:
+    if value < low:
+        raise DraftheadsError(f"{flag} {value} must be >= {low}")
+    return value
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
@@ -28,17 +80,17 @@ def cmd_info(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from draftheads.inference.build import make_engine, make_proposer
+    from draftheads.inference.build import check_drafter, make_engine, make_proposer
     from draftheads.inference.engine import Engine
-    from draftheads.inference.sampling import SamplingParams
     from draftheads.prompts import encode_chat
     from draftheads.targets import load_target
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    params = _sampling(args)
+    tree = _one_tree(args.tree)
+    head = check_drafter(args.head, args.proposer)
     target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
-    proposer = make_proposer(target, args.head, args.proposer)
-    engine = make_engine(target, proposer, args.tree)
+    proposer = make_proposer(target, head, args.proposer)
+    engine = make_engine(target, proposer, tree)
     tok = target.tokenizer
     ids = encode_chat(tok, [{"role": "user", "content": args.prompt}], name=args.target)
     engine.generate([ids[:8]], SamplingParams(max_new_tokens=2))  # warm-up
@@ -64,13 +116,15 @@ def cmd_generate(args) -> int:
 def cmd_distill(args) -> int:
     from draftheads.prompts import load_prompts
     from draftheads.targets import load_target
-    from draftheads.training.distill import distill
+    from draftheads.training.distill import check_distill, distill
 
+    _sampling(args)
     prompts = [p for f in args.prompts for p in load_prompts(f, domains=args.domains,
                                                                limit_per_domain=args.limit_per_domain)]
+    check_distill(prompts, args.out, args.batch_size, args.features, args.feature_dir, args.val_fraction)
     target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     torch_threads(args)
-    layers = feature_layers(args.features, target.info.num_layers) if args.features else None
+    layers = feature_layers(args.features, target.info.num_layers, "--features") if args.features else None
     out = distill(target, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size, args.seed,
                   top_p=args.top_p, max_seq_len=args.max_seq_len, features=layers, feature_dir=args.feature_dir,
                   val_fraction=args.val_fraction, progress=lambda m: print(m, file=sys.stderr, flush=True))
@@ -86,6 +140,7 @@ def cmd_synthesize(args) -> int:
                       temperature=args.temperature, top_p=args.top_p, max_prompt_tokens=args.max_prompt_tokens,
                       batch_size=args.batch_size, dedup_threshold=args.dedup_threshold, seed=args.seed,
                       round_size=args.round_size)
+    check_writable_file(args.out)
     target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     torch_threads(args)
     out = synthesize(target, args.out, cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
@@ -99,23 +154,30 @@ def cmd_synthesize(args) -> int:
     return 0
 
 
-def feature_layers(spec: str, num_layers: int) -> list[int]:
+def feature_layers(spec: str, num_layers: int, flag: str = "--layers") -> list[int]:
     """A head family's name (the layers its training reads) or a comma list of HF hidden-state ids."""
     from draftheads.heads import FAMILIES
 
     if spec in FAMILIES:
         return FAMILIES[spec].feature_layers(num_layers)
     try:
-        return [int(x) for x in spec.split(",") if x.strip()]
+        ids = [int(x) for x in spec.split(",") if x.strip()]
     except ValueError:
-        raise DraftheadsError(f"--layers {spec!r}: use {', '.join(FAMILIES)} or a comma list like 2,15,27,30") from None
+        ids = []
+    if not ids:
+        raise DraftheadsError(f"{flag} {spec!r}: use {', '.join(FAMILIES)} or a comma list of ids like 2,15,27,30")
+    from draftheads.targets import check_layer_ids
+
+    return check_layer_ids(ids, num_layers, flag)
 
 
 def cmd_cache_features(args) -> int:
     from draftheads.targets import load_target
     from draftheads.training.data import build_dataset
-    from draftheads.training.features import write_feature_cache
+    from draftheads.training.features import CACHE_FILES, write_feature_cache
+    from draftheads.utils import check_output_dir
 
+    check_output_dir(args.out, "cache-features", overwrite=args.overwrite, inputs=args.data, names=CACHE_FILES)
     target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     train, val, stats = build_dataset(target.tokenizer, args.data, args.max_length, not args.no_pack,
                                       args.val_fraction, args.seed, tokenizer_key=args.target)
@@ -128,7 +190,8 @@ def cmd_cache_features(args) -> int:
         print(f"cache-features: {done[0]}/{total} rows", file=sys.stderr, flush=True)
 
     out = write_feature_cache(target.model, rows, layers, args.out, args.target, batch_size=args.batch_size,
-                              dtype=target.info.dtype, progress=progress)
+                              dtype=target.info.dtype, progress=progress, overwrite=args.overwrite,
+                              inputs=args.data)
     print(json.dumps({"out": str(out), "layers": layers, "rows": {k: len(v) for k, v in rows.items()},
                       "tokens": stats["train"]["tokens"] + stats["val"]["tokens"]}))
     return 0
@@ -138,8 +201,10 @@ def cmd_profile(args) -> int:
     from draftheads.inference.profile import save_profile, verify_curve
     from draftheads.targets import load_target
 
+    ks = _ints(args.ks, "--ks")
+    for flag in ("prefix", "repeats", "batch"):
+        _at_least(getattr(args, flag), f"--{flag}")
     target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
-    ks = [int(k) for k in args.ks.split(",")]
     curve = verify_curve(target.model, ks, prefix=args.prefix, repeats=args.repeats, batch=args.batch)
     path = save_profile(args.target, str(target.model.device), curve, args.prefix)
     base = curve[min(curve)]
@@ -153,9 +218,14 @@ def cmd_profile(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from draftheads.export.vllm import export_head
+    from draftheads.export.vllm import EXPORT_FILES, export_head
     from draftheads.heads import check_head_fits_target, load_head
+    from draftheads.heads.base import resolve_head
+    from draftheads.utils import check_output_dir
 
+    _at_least(args.num_speculative_tokens, "--num-speculative-tokens")
+    inputs = [resolve_head(args.head)]
+    check_output_dir(args.out, "export", overwrite=args.overwrite, inputs=inputs, names=EXPORT_FILES)
     head, _ = load_head(args.head)
     target = None
     if args.verifier:
@@ -169,7 +239,7 @@ def cmd_export(args) -> int:
 
         serve = str(resolve_target(args.verifier))  # what vLLM loads (the cached safetensors dir for a GGUF)
     path, command = export_head(head, args.format, args.out, args.verifier, args.num_speculative_tokens, target,
-                                serve_target=serve)
+                                serve_target=serve, overwrite=args.overwrite, inputs=inputs)
     print(f"wrote {args.format} to {path} (validated: key set, shapes, dtypes, config fields)")
     print(command)
     return 0
@@ -177,32 +247,34 @@ def cmd_export(args) -> int:
 
 def cmd_import(args) -> int:
     from draftheads.export.imports import import_checkpoint
+    from draftheads.heads.base import HEAD_FILES
+    from draftheads.utils import check_output_dir
 
-    head = import_checkpoint(args.source, args.src, args.out, args.target_layers)
+    check_output_dir(args.out, "head", overwrite=args.overwrite, inputs=[args.src], names=HEAD_FILES)
+    head = import_checkpoint(args.source, args.src, args.out, args.target_layers, overwrite=args.overwrite)
     print(f"imported {head.head_type} head to {args.out}")
     return 0
 
 
 def cmd_eval(args) -> int:
     from draftheads import evaluation
-    from draftheads.inference.build import make_proposer
-    from draftheads.inference.sampling import SamplingParams
-    from draftheads.prompts import load_prompts
+    from draftheads.inference.build import check_drafter, make_proposer
+    from draftheads.prompts import check_unique_ids, load_prompts
     from draftheads.targets import load_target
+    from draftheads.utils import check_writable_dir
 
     if not args.head and not args.proposer:
         raise DraftheadsError("draftheads eval needs --head DIR or --proposer ngram")
-    if args.batch_size < 1:
-        raise DraftheadsError(f"--batch-size {args.batch_size} must be >= 1")
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                            seed=args.seed)
+    _at_least(args.batch_size, "--batch-size")
+    params = _sampling(args)
+    modes = _trees(args.tree)
+    check_writable_dir(args.out)
+    head = check_drafter(args.head, args.proposer)
     prompts = [p for f in args.prompts for p in load_prompts(f, limit_per_domain=args.limit_per_domain)]
+    check_unique_ids(prompts)
     target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     torch_threads(args)
-    modes = [m.strip() for m in args.tree.split(",") if m.strip()]
-    if not modes or len(set(modes)) != len(modes):
-        raise DraftheadsError(f"--tree {args.tree!r}: give one or more distinct modes, e.g. chain3,medium")
-    proposer = make_proposer(target, args.head, args.proposer)
+    proposer = make_proposer(target, head, args.proposer)
     results = evaluation.evaluate(target, proposer, modes, prompts, params, args.batch_size)
     name = proposer.name
     meta = {"command": "draftheads " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
@@ -213,6 +285,11 @@ def cmd_eval(args) -> int:
     files = evaluation.write_results(res, args.out)
     print(evaluation.markdown(res))
     print("wrote " + ", ".join(str(f) for f in files))
+    real = {m: v["overall"]["real_divergences"] for m, v in res["modes"].items() if v["overall"]["real_divergences"]}
+    if real:
+        print(f"error: greedy output differs from plain decoding beyond near ties ({real}): the engine is not "
+              "lossless here; please report it with results.json", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -221,16 +298,22 @@ def cmd_bench(args) -> int:
 
     from draftheads import evaluation
     from draftheads.bench import speed
-    from draftheads.inference.build import make_proposer
+    from draftheads.inference.build import check_drafter, make_proposer
     from draftheads.inference.tree import DEFAULT_TREE
     from draftheads.prompts import encode_chat, load_prompts
     from draftheads.targets import load_target
-    from draftheads.utils import atomic_write_json, atomic_write_text
+    from draftheads.utils import atomic_write_json, atomic_write_text, check_writable_dir
 
     parts = [p.strip() for p in args.only.split(",") if p.strip()] if args.only is not None else list(speed.PARTS)
     unknown = set(parts) - set(speed.PARTS)
     if unknown or not parts:
-        raise DraftheadsError(f"--only {sorted(unknown)} unknown: use some of {', '.join(speed.PARTS)}")
+        raise DraftheadsError(f"--only {args.only!r}: give a comma list of some of {', '.join(speed.PARTS)}")
+    batches = _ints(args.batches, "--batches")
+    for flag in ("batch_repeats", "repeats", "max_new_tokens", "batch_tokens", "datagen_batch", "limit_per_domain"):
+        _at_least(getattr(args, flag), "--" + flag.replace("_", "-"))
+    tree = _one_tree(args.tree or DEFAULT_TREE)
+    heads = {name: check_drafter(getattr(args, name)) for name in ("medusa", "eagle", "eagle3") if getattr(args, name)}
+    check_writable_dir(args.out)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     res = {"command": "draftheads " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": evaluation.machine(), "target": args.target}
@@ -242,20 +325,18 @@ def cmd_bench(args) -> int:
                    for p in load_prompts(args.prompts, limit_per_domain=args.limit_per_domain)]
         from draftheads.inference.engine import EngineConfig
 
-        tree = args.tree or DEFAULT_TREE
         ngram = make_proposer(target, proposer="ngram")
         proposers = {f"ngram ({tree})": (ngram, tree if tree == "auto" else "chain4", None)}
         lm_head_check = {}  # what projecting only the walked nodes saves, on a fixed tree (proposers part)
-        for name, head in (("medusa", args.medusa), ("eagle", args.eagle), ("eagle3", args.eagle3)):
-            if head:  # each head in the tree mode asked for and in vLLM's serving mode, a chain of 3
-                proposer = make_proposer(target, head=head)
-                proposers[f"{name} ({tree})"] = (proposer, tree, None)
-                if tree != "chain3":
-                    proposers[f"{name} (chain3)"] = (proposer, "chain3", None)
-                if args.lm_head_check and not lm_head_check:
-                    fixed = tree if tree != "auto" else "medium"
-                    lm_head_check = {f"{name} ({fixed}, lazy lm_head)": (proposer, fixed, None),
-                                     f"{name} ({fixed}, full lm_head)": (proposer, fixed, EngineConfig(lazy_lm_head=False))}
+        for name, head in heads.items():  # each head in the tree mode asked for and in vLLM's serving mode, chain 3
+            proposer = make_proposer(target, head=head)
+            proposers[f"{name} ({tree})"] = (proposer, tree, None)
+            if tree != "chain3":
+                proposers[f"{name} (chain3)"] = (proposer, "chain3", None)
+            if args.lm_head_check and not lm_head_check:
+                fixed = tree if tree != "auto" else "medium"
+                lm_head_check = {f"{name} ({fixed}, lazy lm_head)": (proposer, fixed, None),
+                                 f"{name} ({fixed}, full lm_head)": (proposer, fixed, EngineConfig(lazy_lm_head=False))}
     if "verify" in parts:
         from draftheads.inference.profile import verify_curve
 
@@ -267,12 +348,6 @@ def cmd_bench(args) -> int:
         res["proposers"] = speed.proposer_speeds(target, {**proposers, **lm_head_check}, prompts, args.max_new_tokens,
                                                  progress=say)
     if "batch" in parts:
-        try:
-            batches = [int(b) for b in args.batches.split(",")]
-        except ValueError:
-            raise DraftheadsError(f"--batches {args.batches!r}: give a comma list of batch sizes like 1,4,16") from None
-        if not batches or min(batches) < 1 or args.batch_repeats < 1:
-            raise DraftheadsError(f"--batches {args.batches!r} and --batch-repeats {args.batch_repeats} must be >= 1")
         res["batch_sweep"] = speed.batch_sweep(target, proposers, prompts, args.batch_tokens, batches,
                                                repeats=args.batch_repeats, progress=say)
     if "datagen" in parts:
@@ -302,7 +377,7 @@ def torch_threads(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="draftheads", description=__doc__)
+    parser = _Parser(prog="draftheads", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -374,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pack", action="store_true")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out even if it holds files this command did not write")
     p.set_defaults(func=cmd_cache_features)
 
     p = sub.add_parser("profile", help="measure target forward time for K = 1, 2, 4 ... 64 query tokens")
@@ -392,6 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--verifier", default=None, help="target name or path (written into configs; supplies shared weights)")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out even if it holds files this command did not write")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--trust-remote-code", action="store_true")
     p.set_defaults(func=cmd_export)
@@ -401,6 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="checkpoint directory or weight file")
     p.add_argument("--out", required=True)
     p.add_argument("--target-layers", type=int, default=None, help="target layer count, when the checkpoint omits aux ids")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out even if it holds files this command did not write")
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("eval", help="acceptance (tau, alpha) and speedup per domain, plain vs speculative")
@@ -446,11 +527,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_progress_bars() -> None:
+    """No loading or dataset-saving bars from transformers and datasets (downloads keep theirs)."""
+    import os
+
+    import transformers.utils.logging
+
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is imported
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if hasattr(args, "argv"):
         args.argv = argv
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    if not args.verbose:
+        _quiet_progress_bars()
     try:
         return args.func(args)
     except DraftheadsError as e:

@@ -2,16 +2,24 @@
 
 Each prompt (each turn of a multi-turn prompt) runs once with plain decoding and once per speculative
 *mode* (``auto``, or a tree option such as ``chain3``, vLLM's serving mode), through the timing
-harness of :mod:`draftheads.inference.timing` (warm-up, rotating order so that machine drift cancels,
+harness of :mod:`draftheads.inference.timing` (warm-up, shuffled order so that machine drift cancels,
 re-measuring of physically impossible ratios). Later turns feed the target's own earlier (plain)
 answers back. Per mode, domain and overall: tau, alpha per position, acceptance rate, drafts,
 tokens/s, speedup (sum of plain wall time / sum of speculative wall time, and the median over prompts)
 with 95 % confidence intervals; at T = 0 every speculative output is compared with the plain one.
+
+Greedy identity: in fp32 the speculative output equals the plain one token for token. In bf16/fp16 a
+K-token verify forward and a 1-token forward round differently, so where the target's two best tokens
+are within rounding of each other the two runs may pick different ones. Each mismatch is classified at
+its first differing token by the target's own logits there (:func:`classify_divergence`): a *near tie*
+(the two tokens' logits within ``TIE_ULPS`` units in the last place of the target's dtype) or a *real
+divergence*, which is a bug and fails the eval.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import platform
 import statistics
@@ -39,6 +47,7 @@ class PromptResult:
     plain_tokens: int = 0
     spec_tokens: int = 0
     mismatches: int = 0
+    near_ties: int = 0  # mismatches whose first differing tokens are tied within the dtype's rounding
     flagged: int = 0  # turns whose speedup stayed above tokens per forward after re-measuring
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
 
@@ -100,11 +109,32 @@ def evaluate(target, proposer, modes: list[str], prompts: list[Prompt], params: 
                     r.flagged += int(k in timings.flagged.get(mode, []))
                     if params.greedy and po.token_ids != so.token_ids:
                         r.mismatches += 1
+                        r.near_ties += classify_divergence(target.model, items[k][batch.index(p)], po.token_ids,
+                                                           so.token_ids)["near_tie"]
                     r.metrics = r.metrics.merge(so.metrics)
             for p, po in zip(batch, plain_run.outputs):
                 histories[p.id].append({"role": "assistant",
                                         "content": tok.decode(po.token_ids, skip_special_tokens=True)})
     return {m: [results[m][p.id] for p in prompts] for m in modes}
+
+
+TIE_ULPS = 4
+"""Two logits within this many units in the last place of the target's dtype are a near tie."""
+
+
+@torch.no_grad()
+def classify_divergence(model, prompt: list[int], a: list[int], b: list[int]) -> dict:
+    """Where greedy outputs ``a`` and ``b`` of ``prompt`` first differ, and whether the target's logits
+    there (one plain forward over the common prefix) tie the two tokens within ``TIE_ULPS`` ulps."""
+    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    if j >= min(len(a), len(b)):  # one output stops where the other goes on: not a choice between two tokens
+        return {"at": j, "margin": float("inf"), "near_tie": False}
+    ids = torch.tensor([list(prompt) + list(a[:j])], device=model.device)
+    logits = model(ids).logits[0, -1]
+    x, y = logits[a[j]].float().item(), logits[b[j]].float().item()
+    ulp = torch.finfo(logits.dtype).eps * 2.0 ** math.floor(math.log2(max(abs(x), abs(y), 1e-30)))
+    margin = abs(x - y)
+    return {"at": j, "margin": margin, "near_tie": margin <= TIE_ULPS * ulp}
 
 
 def summarize(results: list[PromptResult]) -> dict:
@@ -137,6 +167,8 @@ def summarize(results: list[PromptResult]) -> dict:
         "tokens_per_forward": tokens_per_forward(m),
         "implausible_timings": sum(r.flagged for r in results),
         "greedy_mismatches": sum(r.mismatches for r in results),
+        "near_ties": sum(r.near_ties for r in results),
+        "real_divergences": sum(r.mismatches - r.near_ties for r in results),
     }
 
 
@@ -149,7 +181,7 @@ def report(results: dict[str, list[PromptResult]], meta: dict) -> dict:
             "overall": summarize(rs),
             "domains": {d: summarize([r for r in rs if r.domain == d]) for d in domains},
             "prompts": [{"id": r.id, "domain": r.domain, "tau": r.metrics.tau, "speedup": r.speedup,
-                         "mismatches": r.mismatches} for r in rs],
+                         "mismatches": r.mismatches, "near_ties": r.near_ties} for r in rs],
         }
     return {**meta, "modes": modes}
 
@@ -158,7 +190,7 @@ def markdown(res: dict) -> str:
     modes = res["modes"]
     k = max((len(v["alpha"]) for m in modes.values() for v in m["domains"].values()), default=0)
     head = "| mode | domain | prompts | τ (±95% CI) | " + " | ".join(f"α@{i + 1}" for i in range(k)) + \
-        " | drafted steps | plain tok/s | spec tok/s | speedup | mismatches |"
+        " | drafted steps | plain tok/s | spec tok/s | speedup | mismatches (near ties) |"
     lines = [f"`{res['command']}`", "", head, "|" + "---|" * (head.count("|") - 1)]
     for mode, m in modes.items():
         for name, v in list(m["domains"].items()) + [("**overall**", m["overall"])]:
@@ -166,7 +198,7 @@ def markdown(res: dict) -> str:
             lines.append(
                 f"| {mode} | {name} | {v['n_prompts']} | {v['tau']:.2f} ± {v['tau_ci95']:.2f} | {alphas} | "
                 f"{v['drafts']}/{v.get('steps', v['drafts'])} | {v['tokens_per_s_plain']:.1f} | {v['tokens_per_s_spec']:.1f} | {_speedup(v)} | "
-                f"{v['greedy_mismatches']} |"
+                f"{v['greedy_mismatches']} ({v['near_ties']}) |"
             )
     return "\n".join(lines) + "\n"
 

@@ -123,19 +123,26 @@ def read_prompts(path: str | os.PathLike) -> list[Prompt]:
     if not path.is_file():
         raise DraftheadsError(f"prompts file {str(path)!r} does not exist: check the path")
     prompts: list[Prompt] = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DraftheadsError(f"{where}: not valid JSON ({e.msg}): one JSON object per line") from None
-            p = parse_prompt(obj, where)
-            if not p.id:  # GSM8K lines carry no id
-                p = Prompt(f"{path.stem}-{n}", p.domain, p.turns, p.source, p.reference)
-            prompts.append(p)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DraftheadsError(f"prompts file {str(path)!r} is not UTF-8 text (byte {e.start}): save it as UTF-8 "
+                              "jsonl") from None
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DraftheadsError(f"{where}: not valid JSON ({e.msg}): one JSON object per line") from None
+        p = parse_prompt(obj, where)
+        if prompts and p.source != prompts[0].source:
+            raise DraftheadsError(f"{where}: a {p.source} line in a file of {prompts[0].source} prompts: keep one "
+                                  "form per file (give several files to mix forms)")
+        if not p.id:  # GSM8K lines carry no id
+            p = Prompt(f"{path.stem}-{n}", p.domain, p.turns, p.source, p.reference)
+        prompts.append(p)
     if not prompts:
         raise DraftheadsError(f"prompts file {str(path)!r} is empty: add one JSON object per line")
     return prompts
@@ -152,12 +159,16 @@ def load_prompts(
 ) -> list[Prompt]:
     """``spec`` is a file path or ``bundled:train`` / ``bundled:eval``."""
     spec = str(spec)
+    if limit_per_domain is not None and limit_per_domain < 1:
+        raise DraftheadsError(f"--limit-per-domain {limit_per_domain} must be >= 1 (leave it out for all prompts)")
     prompts = read_prompts(bundled_path(spec.split(":", 1)[1]) if spec.startswith("bundled:") else spec)
     if domains:
         unknown = set(domains) - set(DOMAINS)
         if unknown:
             raise DraftheadsError(f"domains {sorted(unknown)} are unknown: use some of {list(DOMAINS)}")
         prompts = [p for p in prompts if p.domain in set(domains)]
+        if not prompts:
+            raise DraftheadsError(f"no prompt in {spec} has domain {', '.join(domains)}: check --domains")
     if limit_per_domain is not None:
         seen: dict[str, int] = {}
         kept = []
@@ -166,6 +177,17 @@ def load_prompts(
                 seen[p.domain] = seen.get(p.domain, 0) + 1
                 kept.append(p)
         prompts = kept
+    return prompts
+
+
+def check_unique_ids(prompts: list[Prompt]) -> list[Prompt]:
+    """Results and resumes are kept per prompt id: one clear error when an id repeats."""
+    seen: set[str] = set()
+    for p in prompts:
+        if p.id in seen:
+            raise DraftheadsError(f"prompt id {p.id!r} appears more than once in --prompts: give every prompt its "
+                                  "own id (or each file once)")
+        seen.add(p.id)
     return prompts
 
 

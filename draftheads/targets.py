@@ -236,7 +236,7 @@ def _gguf_to_cached_dir(gguf: Path) -> Path:
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict(), assign=True)
     plain.tie_weights()
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, "gguf conversion", overwrite=True) as tmp:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256_prefix": digest}))

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from draftheads.errors import DraftheadsError
+
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -26,16 +32,123 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-@contextlib.contextmanager
-def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary directory next to ``final``; on success it replaces ``final`` in one rename."""
+OUTPUT_MARKER = ".draftheads-output.json"
+"""Written into every folder a command produces: which command wrote it, so a rerun may replace it."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def output_kind(folder: str | os.PathLike) -> str | None:
+    """The command that wrote ``folder`` (its marker), or None."""
+    try:
+        return json.loads((Path(folder) / OUTPUT_MARKER).read_text())["kind"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_writable_dir(folder: str | os.PathLike, flag: str = "--out") -> Path:
+    """A folder that exists or can be created, and can be written: checked before the work starts."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise DraftheadsError(f"{flag} {folder} is a file: give a folder path")
+    parent = folder.resolve()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise DraftheadsError(f"{flag} {folder}: {parent} is not a folder, so nothing can be written under it")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DraftheadsError(f"{flag} {folder}: {parent} is not writable: choose another folder")
+    return folder
+
+
+def check_writable_file(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """A file path whose folder exists or can be created, and can be written."""
+    path = Path(path)
+    if path.is_dir():
+        raise DraftheadsError(f"{flag} {path} is a folder: give a file path")
+    check_writable_dir(path.parent, flag)
+    return path
+
+
+def check_output_dir(final: str | os.PathLike, kind: str, *, overwrite: bool = False, inputs=(),
+                     names=None, flag: str = "--out", fix: str = "pass --overwrite to replace it") -> Path:
+    """Refuse an output folder whose replacement would destroy what ``kind`` did not write.
+
+    Allowed: a new folder, an empty one, a previous output of ``kind`` (its marker), and an unmarked
+    folder holding only ``names`` (the files the output holds, glob patterns allowed; None = not known
+    yet, so that rule waits for a later check). Refused: a file,
+    an input of the command (or a folder holding one), another command's output, foreign files, and a place
+    that cannot be written. ``overwrite`` lifts the foreign-files rule only."""
     final = Path(final)
+    here = final.resolve()
+    for src in inputs:
+        src = Path(src).resolve()
+        if here == src or here in src.parents:
+            raise DraftheadsError(f"{flag} {final} is an input of this command ({src}): write to another folder")
+    check_writable_dir(final, flag)
+    if overwrite or not final.is_dir() or not any(final.iterdir()):
+        return final
+    wrote = output_kind(final)
+    if wrote == kind:
+        return final
+    if wrote is not None:
+        raise DraftheadsError(f"{flag} {final} holds the output of `{wrote}`, not of `{kind}`: choose another folder, "
+                              f"or {fix}")
+    if names is None:  # not known yet: checked again when the output is complete
+        return final
+    foreign = sorted(p.name for p in final.iterdir()
+                     if p.name != OUTPUT_MARKER and not any(fnmatch.fnmatchcase(p.name, n) for n in names))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise DraftheadsError(f"{flag} {final} already holds files this command did not write ({shown}): choose "
+                              f"another folder, or {fix}")
+    return final
+
+
+def clean_stale_temps(final: str | os.PathLike) -> list[Path]:
+    """Remove the temporary folders that killed runs left beside ``final`` (their process is gone)."""
+    final = Path(final)
+    removed = []
+    if not final.parent.is_dir():
+        return removed
+    for p in final.parent.glob(f".{final.name}.tmp-*-*"):
+        pid = p.name[len(final.name) + 6:].split("-", 1)[0]
+        if p.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    if removed:
+        log.warning("removed %d temporary folder(s) left by a killed run beside %s", len(removed), final)
+    return removed
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike, kind: str, *, overwrite: bool = False, inputs=(),
+               flag: str = "--out") -> Iterator[Path]:
+    """Yield a temporary directory next to ``final``; on success it replaces ``final`` in one rename.
+
+    ``final`` may be replaced only as :func:`check_output_dir` allows (checked before and, with the
+    names just written, again at the end); the new folder carries ``kind``'s marker. Temporary folders
+    of killed runs beside it are removed first."""
+    final = Path(final)
+    check_output_dir(final, kind, overwrite=overwrite, inputs=inputs, flag=flag)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    clean_stale_temps(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
     try:
         yield tmp
+        (tmp / OUTPUT_MARKER).write_text(json.dumps({"kind": kind}) + "\n")
         if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            check_output_dir(final, kind, overwrite=overwrite, inputs=inputs, flag=flag,
+                             names=[p.name for p in tmp.iterdir()])
+            old = final.with_name(f".{final.name}.tmp-{os.getpid()}-old")
             os.replace(final, old)
             os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
@@ -46,30 +159,97 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+@contextlib.contextmanager
+def exclusive(path: str | os.PathLike, flag: str = "--out") -> Iterator[None]:
+    """Hold ``path.lock`` for the duration: a second run writing the same output stops with one line.
+    The lock is the kernel's (``flock``), so a killed run never leaves it held."""
+    import fcntl
+
+    lock = Path(f"{path}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        f = lock.open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise DraftheadsError(f"{flag} {path} is being written by another run ({holder}): wait for it to "
+                                  "finish, or write to another path") from None
+        try:  # the holder before us may have removed the file after we opened it: lock the current one
+            if os.stat(lock).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}")
+        f.flush()
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
+        f.close()
+
+
 def read_jsonl_prefix(path: str | os.PathLike) -> list[dict]:
-    """The records of a jsonl file being appended to; a torn last line (a crash mid-write) is dropped."""
+    """The records of a jsonl file being appended to. A torn last line (a crash mid-write) is dropped
+    with a warning; a bad line before the last means the file was damaged otherwise, and is refused."""
     path = Path(path)
     if not path.is_file():
         return []
+    lines = path.read_bytes().split(b"\n")
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            if any(rest.strip() for rest in lines[n:]):
+                raise DraftheadsError(f"{path} line {n} is not a JSON record: the file was damaged; delete it to "
+                                      "start over") from None
+            log.warning("%s: dropped a torn last line (the run before was killed while writing it)", path)
     return out
 
 
 def refuse_changed_settings(old: dict, new: dict, partial: str | os.PathLike) -> None:
     """A resume must use the settings the interrupted run started with."""
     if old != new:
-        from draftheads.errors import DraftheadsError
-
         diff = sorted(k for k in new.keys() | old.keys() if old.get(k) != new.get(k))
         raise DraftheadsError(
             f"{partial} was started with other settings ({', '.join(diff)}): rerun with the same settings "
             "to resume, or delete it to start over"
         )
+
+
+def _unreadable(file, e: Exception) -> DraftheadsError:
+    return DraftheadsError(f"{file} is not a readable safetensors file ({' '.join(str(e).split())}): it is truncated "
+                           "or damaged; write it again")
+
+
+def safetensors_shapes(file: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes from a safetensors header (nothing loaded), or one error naming the file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), "pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error type for every kind of damage
+        raise _unreadable(file, e) from None
+
+
+def load_safetensors(file: str | os.PathLike) -> dict:
+    """All tensors of a safetensors file (on the CPU), or one error naming the file."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file))
+    except Exception as e:
+        raise _unreadable(file, e) from None
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

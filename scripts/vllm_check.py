@@ -48,7 +48,7 @@ def vllm_target_dir(src: Path, out: Path) -> Path:
     if "rope_theta" in rope:
         cfg.setdefault("rope_theta", rope["rope_theta"])
     cfg.setdefault("torch_dtype", cfg.get("dtype", "float32"))
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, "vllm-check target", overwrite=True) as tmp:
         for f in src.iterdir():
             if f.name != "config.json":
                 (tmp / f.name).symlink_to(f.resolve())

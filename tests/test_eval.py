@@ -1,5 +1,8 @@
 import json
 
+import pytest
+import torch
+
 from draftheads.cli import main
 
 
@@ -72,3 +75,30 @@ def test_bench_datagen_part(tiny_llama_dir, tmp_path, capsys):
     assert d["static"]["tokens"] == d["continuous"]["tokens"]  # same answers, greedy
     assert "continuous batch 3 + features" in capsys.readouterr().out
     assert main(["bench", "--target", str(tiny_llama_dir), "--only", "", "--out", str(out)]) == 2
+
+
+class _FixedLogits:
+    """A model whose next-token logits are ``row`` at every position (dtype as given)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, row):
+        self.row = row
+
+    def __call__(self, ids):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.row.expand(1, ids.shape[1], -1))
+
+
+def test_mismatches_are_classified_as_near_ties_or_real_divergences():
+    from draftheads.evaluation import classify_divergence
+
+    row = torch.tensor([0.0, 20.0, 20.0 + 0.125, 3.0], dtype=torch.bfloat16)  # 1 ulp apart at 20 in bf16
+    tie = classify_divergence(_FixedLogits(row), [0, 3], [3, 2, 1], [3, 1, 1])
+    assert tie["at"] == 1 and tie["near_tie"] and tie["margin"] == pytest.approx(0.125)
+    real = classify_divergence(_FixedLogits(row), [0], [2, 2], [3, 2])  # 20.125 vs 3: a real divergence
+    assert real["at"] == 0 and not real["near_tie"]
+    fp32 = classify_divergence(_FixedLogits(row.float()), [0], [2], [1])  # the same gap is far apart in fp32
+    assert not fp32["near_tie"]
+    assert not classify_divergence(_FixedLogits(row), [0], [2, 2], [2])["near_tie"]  # stopped early: real

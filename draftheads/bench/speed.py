@@ -70,7 +70,8 @@ def proposer_speeds(target, proposers: dict, prompts: list[list[int]], n: int, p
         out[m] = {"tokens_per_s": t.rate(m), "ratio_vs_plain": t.rate(m) / t.rate("plain")}
         if m != "plain":
             r = t.ratio(m)
-            out[m].update(ratio_median=r["median"], ratio_q25=r["q25"], ratio_q75=r["q75"], implausible=r["flagged"])
+            out[m].update(ratio_median=r["median"], ratio_q25=r["q25"], ratio_q75=r["q75"], ratio_ci95=r["ci95"],
+                          implausible=r["flagged"])
         if m in engines and engines[m].proposer is not None:
             agg = t.metrics(m)
             out[m].update(tau=agg.tau, alpha=agg.alpha, tokens_per_forward=tokens_per_forward(agg),
@@ -100,8 +101,9 @@ def batch_sweep(target, proposers: dict, prompts: list[list[int]], n: int, batch
         t = interleaved(methods, [rows] * repeats)
         for name in engines:
             r = t.ratio(name)
-            out[name][b] = {"speedup": r["speedup"], "q25": r["q25"], "q75": r["q75"]}
-            progress(f"batch sweep: {name} batch {b}: {r['speedup']:.2f}x (pairs {r['q25']:.2f}-{r['q75']:.2f})")
+            out[name][b] = {k: r[k] for k in ("speedup", "median", "q25", "q75", "ci95", "pairs")}
+            progress(f"batch sweep: {name} batch {b}: {r['speedup']:.2f}x, median {r['median']:.2f}x "
+                     f"(95% CI {r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}, {r['pairs']} pairs)")
     return out
 
 
@@ -155,7 +157,8 @@ def tables(res: dict) -> str:
                   "|---|---|---|---|---|---|"]
         for m, v in res["proposers"].items():
             tau = f"{v['tau']:.2f}" if "tau" in v else "-"
-            med = f"{v['ratio_median']:.2f}x ({v['ratio_q25']:.2f}-{v['ratio_q75']:.2f})" if "ratio_median" in v else "-"
+            med = (f"{v['ratio_median']:.2f}x (quartiles {v['ratio_q25']:.2f}-{v['ratio_q75']:.2f}, 95% CI "
+                   f"{v['ratio_ci95'][0]:.2f}-{v['ratio_ci95'][1]:.2f})" if "ratio_median" in v else "-")
             if v.get("implausible"):
                 med += f", {v['implausible']} prompts disturbed (above τ), re-run"
             drafted = f"{v['drafted_steps']}/{v['steps']}" if "steps" in v else "-"
@@ -163,10 +166,11 @@ def tables(res: dict) -> str:
         lines.append("")
     if "batch_sweep" in res:
         bs = sorted({int(b) for v in res["batch_sweep"].values() for b in v})
-        lines += ["| proposer | " + " | ".join(f"batch {b}" for b in bs) + " |", "|---" * (len(bs) + 1) + "|"]
+        lines += ["speedup over plain: pooled, then the median of the interleaved pairs with its 95 % confidence "
+                  "interval", "", "| proposer | " + " | ".join(f"batch {b}" for b in bs) + " |",
+                  "|---" * (len(bs) + 1) + "|"]
         for name, v in res["batch_sweep"].items():
-            lines.append(f"| {name} | " + " | ".join(
-                f"{v[b]['speedup']:.2f}x ({v[b]['q25']:.2f}-{v[b]['q75']:.2f})" if b in v else "-" for b in bs) + " |")
+            lines.append(f"| {name} | " + " | ".join(_sweep_cell(v[b]) if b in v else "-" for b in bs) + " |")
         lines.append("")
     if "datagen" in res:
         d = res["datagen"]
@@ -185,6 +189,11 @@ def tables(res: dict) -> str:
                 p, f = row[f"{loss}_plain"]["peak_mb"], row[f"{loss}_fused"]["peak_mb"]
                 lines.append(f"| {v} | {loss} | {p:.0f} | {f:.0f} | {f / p:.1%} |")
     return "\n".join(lines) + "\n"
+
+
+def _sweep_cell(v: dict) -> str:
+    lo, hi = v["ci95"]
+    return f"{v['speedup']:.2f}x (median {v['median']:.2f}x, CI {lo:.2f}-{hi:.2f}, {v['pairs']} pairs)"
 
 
 def plots(res: dict, out) -> list:

@@ -23,7 +23,6 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from draftheads.errors import DraftheadsError
 from draftheads.heads import (
@@ -36,6 +35,7 @@ from draftheads.heads import (
     MedusaHeads,
     save_head,
 )
+from draftheads.utils import load_safetensors
 
 SOURCES = ("medusa", "eagle", "eagle3", "speculators")
 _WEIGHT_FILES = ("model.safetensors", "medusa_lm_head.safetensors", "pytorch_model.bin", "medusa_lm_head.pt",
@@ -52,11 +52,11 @@ def load_weights(src: str | os.PathLike) -> dict[str, torch.Tensor]:
             raise DraftheadsError(f"{src}: no weights found (looked for {', '.join(_WEIGHT_FILES)} and *.safetensors)")
         out = {}
         for s in shards:
-            out.update(load_file(str(s)))
+            out.update(load_safetensors(s))
         return out
     f = files[0]
     if f.suffix == ".safetensors":
-        return load_file(str(f))
+        return load_safetensors(f)
     if f.suffix not in (".pt", ".bin", ".pth"):
         raise DraftheadsError(f"{f}: unsupported weight file: use safetensors, or .pt/.bin tensors-only checkpoints")
     try:
@@ -73,11 +73,34 @@ def load_weights(src: str | os.PathLike) -> dict[str, torch.Tensor]:
     return obj
 
 
+class _Fields(dict):
+    """A checkpoint's config: a missing field is one error naming the file, not a KeyError."""
+
+    where = ""
+
+    def __missing__(self, key):
+        raise DraftheadsError(f"{self.where}: field {key!r} is missing: this is not a checkpoint of the kind "
+                              "--from names (or it is damaged)")
+
+
 def _config(src: Path) -> dict:
     f = src / "config.json" if src.is_dir() else src.parent / "config.json"
     if not f.is_file():
         raise DraftheadsError(f"{src}: config.json not found next to the weights")
-    return json.loads(f.read_text())
+    try:
+        cfg = json.loads(f.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DraftheadsError(f"{f} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise DraftheadsError(f"{f} must hold a JSON object")
+    fields = _Fields(cfg)
+    fields.where = str(f)
+    for k, v in cfg.items():
+        if isinstance(v, dict):
+            sub = _Fields(v)
+            sub.where = f"{f} ({k})"
+            fields[k] = sub
+    return fields
 
 
 def _layer_spec(cfg: dict) -> LayerSpec:
@@ -88,7 +111,10 @@ def _layer_spec(cfg: dict) -> LayerSpec:
 
 
 def _load_strict(head, weights: dict[str, torch.Tensor], src) -> None:
-    missing, unexpected = head.load_state_dict(weights, strict=False)
+    try:
+        missing, unexpected = head.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # shapes
+        raise DraftheadsError(f"{src}: weights do not fit the config: {' '.join(str(e).split())[:300]}") from None
     missing = [m for m in missing if "rotary" not in m]
     if missing or unexpected:
         raise DraftheadsError(f"{src}: weights do not match (missing {missing[:5]}, unexpected {unexpected[:5]})")
@@ -205,7 +231,8 @@ def import_speculators(src: Path, target_layers: int | None = None) -> Eagle3Hea
                         cfg.get("norm_before_residual", False), src)
 
 
-def import_checkpoint(source: str, src: str | os.PathLike, out: str | os.PathLike, target_layers: int | None = None):
+def import_checkpoint(source: str, src: str | os.PathLike, out: str | os.PathLike, target_layers: int | None = None,
+                      overwrite: bool = False):
     if source not in SOURCES:
         raise DraftheadsError(f"--from {source!r} is unknown: use one of {', '.join(SOURCES)}")
     src = Path(src)
@@ -217,5 +244,5 @@ def import_checkpoint(source: str, src: str | os.PathLike, out: str | os.PathLik
         "eagle3": lambda: import_eagle3(src, target_layers),
         "speculators": lambda: import_speculators(src, target_layers),
     }[source]()
-    save_head(head, out, {"imported_from": {"source": source, "path": str(src)}})
+    save_head(head, out, {"imported_from": {"source": source, "path": str(src)}}, overwrite=overwrite, inputs=(src,))
     return head

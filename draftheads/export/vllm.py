@@ -245,13 +245,16 @@ def validate_export(path: str | os.PathLike, fmt: str) -> None:
 # ----------------------------------------------------------------------------- writing
 
 
+EXPORT_FILES = ("model.safetensors", "config.json")
+
+
 def write_export(out: str | os.PathLike, fmt: str, config: dict, tensors: dict[str, torch.Tensor],
-                 dtype: torch.dtype | None = None) -> Path:
+                 dtype: torch.dtype | None = None, overwrite: bool = False, inputs=()) -> Path:
     def cast(t):
         t = t.detach().contiguous().cpu()
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, "export", overwrite=overwrite, inputs=inputs) as tmp:
         save_file({k: cast(v) for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         validate_export(tmp, fmt)
@@ -319,9 +322,11 @@ FORMATS = tuple(EXPORTS)
 
 
 def export_head(head, fmt: str, out: str | os.PathLike, verifier: str | None = None, k: int = 3,
-                target=None, serve_target: str | None = None) -> tuple[Path, str]:
+                target=None, serve_target: str | None = None, overwrite: bool = False,
+                inputs=()) -> tuple[Path, str]:
     """Write ``head`` in ``fmt``; ``target`` (a loaded Target) supplies shared weights when needed.
-    Returns the path and the ``vllm serve`` command for ``serve_target`` (default: ``verifier``)."""
+    Returns the path and the ``vllm serve`` command for ``serve_target`` (default: ``verifier``).
+    ``out`` must not be one of ``inputs``, and holds no foreign files unless ``overwrite``."""
     if fmt not in EXPORTS:
         raise DraftheadsError(f"--format {fmt!r} is unknown: use one of {', '.join(FORMATS)}")
     spec = EXPORTS[fmt]
@@ -330,5 +335,5 @@ def export_head(head, fmt: str, out: str | os.PathLike, verifier: str | None = N
     if k < 1:
         raise DraftheadsError(f"--num-speculative-tokens {k} must be >= 1")
     config, tensors = spec.build(head, target, verifier, k)
-    path = write_export(out, fmt, config, tensors)
+    path = write_export(out, fmt, config, tensors, overwrite=overwrite, inputs=inputs)
     return path, vllm_command(serve_target or verifier or "TARGET", path, fmt, k, config)

@@ -8,7 +8,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from draftheads.errors import DraftheadsError
-from draftheads.heads.base import build_config, read_head_dir, save_head_dir
+from draftheads.heads.base import (
+    build_config,
+    check_weight_shapes,
+    load_weights_checked,
+    read_head_dir,
+    save_head_dir,
+)
 from draftheads.heads.eagle import EagleConfig, EagleHead
 from draftheads.heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
 from draftheads.heads.layers import LayerSpec
@@ -47,7 +53,6 @@ FAMILIES = {
     "eagle3": HeadFamily(Eagle3Config, Eagle3Head, "draftheads.inference.proposers.eagle3:Eagle3Proposer",
                          _eagle3_layers),
 }
-HEAD_TYPES = {name: (f.config, f.module) for name, f in FAMILIES.items()}
 
 
 def family(head_type: str) -> HeadFamily:
@@ -56,29 +61,31 @@ def family(head_type: str) -> HeadFamily:
     return FAMILIES[head_type]
 
 __all__ = [
-    "FAMILIES", "HEAD_TYPES", "HeadFamily", "family", "EagleConfig", "EagleHead", "Eagle3Config", "Eagle3Head", "LayerSpec", "MedusaConfig",
+    "FAMILIES", "HeadFamily", "family", "EagleConfig", "EagleHead", "Eagle3Config", "Eagle3Head", "LayerSpec", "MedusaConfig",
     "MedusaHeads", "default_aux_layer_ids", "load_head", "save_head", "check_head_fits_target",
 ]
 
 
-def save_head(head, out: str | os.PathLike, extra: dict | None = None):
-    return save_head_dir(out, head.head_type, head.config, head.state_dict(), extra)
+def save_head(head, out: str | os.PathLike, extra: dict | None = None, overwrite: bool = False, inputs=()):
+    return save_head_dir(out, head.head_type, head.config, head.state_dict(), extra, overwrite, inputs)
 
 
 def load_head(path: str | os.PathLike):
-    """Load a head directory -> (module in eval mode, metadata dict)."""
+    """Load a head directory -> (module in eval mode, metadata dict). Config fields and types, tensor names
+    and shapes are checked before any weight is allocated."""
+    import torch
+
     meta, weights = read_head_dir(path)
     kind = meta["head_type"]
-    if kind not in HEAD_TYPES:
-        raise DraftheadsError(f"{path}: head_type {kind!r} is unknown: expected one of {sorted(HEAD_TYPES)}")
-    config_cls, module_cls = HEAD_TYPES[kind]
-    head = module_cls(build_config(config_cls, meta["config"], f"{path}/config.json"))
-    missing, unexpected = head.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise DraftheadsError(
-            f"{path}: weights do not match a {kind} head (missing {missing[:4]}, unexpected {unexpected[:4]}): "
-            "the directory is corrupt or from another version; re-export it"
-        )
+    if kind not in FAMILIES:
+        raise DraftheadsError(f"{path}: head_type {kind!r} is unknown: expected one of {sorted(FAMILIES)}")
+    fam = FAMILIES[kind]
+    config = build_config(fam.config, meta["config"], f"{path}/config.json")
+    with torch.device("meta"):
+        shaped = fam.module(config)
+    check_weight_shapes(shaped, weights)
+    head = fam.module(config)
+    load_weights_checked(head, weights)
     return head.eval(), meta
 
 

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftheads.errors import DraftheadsError
+
 
 @dataclass
 class LayerSpec:
@@ -30,8 +32,11 @@ class LayerSpec:
     hidden_act: str = "silu"
 
     def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise DraftheadsError(f"layer {name}={getattr(self, name)} must be >= 1")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise DraftheadsError(
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from draftheads.errors import DraftheadsError
 from draftheads.heads import check_head_fits_target, load_head
 from draftheads.inference.engine import Engine, EngineConfig
@@ -12,19 +14,26 @@ PROPOSERS = ("ngram",)
 """Proposers that need no trained head (``--proposer NAME``)."""
 
 
-def make_proposer(target, head: str | None = None, proposer: str | None = None):
-    """``target`` is a loaded :class:`~draftheads.targets.Target`. Returns None for plain decoding."""
+def check_drafter(head: str | None = None, proposer: str | None = None):
+    """Check ``--head`` / ``--proposer`` before the target is loaded: the loaded head module (its config,
+    names and shapes checked), or None for a named proposer or plain decoding."""
     if head and proposer:
         raise DraftheadsError("give either --head DIR or --proposer NAME, not both")
+    if proposer and proposer not in PROPOSERS:
+        raise DraftheadsError(f"--proposer {proposer!r} is unknown: use ngram (or --head DIR for a trained head)")
+    return load_head(head)[0] if head else None
+
+
+def make_proposer(target, head=None, proposer: str | None = None):
+    """``target`` is a loaded :class:`~draftheads.targets.Target`; ``head`` a head directory or a module from
+    :func:`check_drafter`. Returns None for plain decoding."""
+    module = check_drafter(head, proposer) if head is None or isinstance(head, (str, os.PathLike)) else head
     if proposer:
-        if proposer not in PROPOSERS:
-            raise DraftheadsError(f"--proposer {proposer!r} is unknown: use ngram (or --head DIR for a trained head)")
         from draftheads.inference.proposers.ngram import NGramProposer
 
         return NGramProposer()
-    if not head:
+    if module is None:
         return None
-    module, _ = load_head(head)
     check_head_fits_target(module, target.info)
     module = module.to(target.model.device)
     from draftheads.heads import family

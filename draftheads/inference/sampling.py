@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,8 @@ class SamplingParams:
     stop_at_eos: bool = True
 
     def __post_init__(self):
+        if not math.isfinite(self.temperature) or not math.isfinite(self.top_p):
+            raise DraftheadsError(f"temperature {self.temperature} and top_p {self.top_p} must be finite numbers")
         if self.temperature < 0:
             raise DraftheadsError(f"temperature {self.temperature} must be >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:

@@ -88,15 +88,21 @@ def read_records(path: str | os.PathLike) -> list[list[dict] | str]:
     path = Path(path)
     if not path.is_file():
         raise DraftheadsError(f"training file {str(path)!r} does not exist: check data.train_files")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DraftheadsError(f"training file {str(path)!r} is not UTF-8 text (byte {e.start}): save it as UTF-8 "
+                              "jsonl") from None
     out = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DraftheadsError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-                out.append(record_to_messages(obj, f"{path}:{n}"))
+    for n, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DraftheadsError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            out.append(record_to_messages(obj, f"{path}:{n}"))
+    if not out:
+        raise DraftheadsError(f"training file {str(path)!r} is empty: it needs one conversation per line")
     return out
 
 
@@ -285,7 +291,7 @@ def build_dataset(
     if cache:
         from draftheads.utils import atomic_dir
 
-        with atomic_dir(where) as tmp:
+        with atomic_dir(where, "dataset cache", overwrite=True) as tmp:
             train.save_to_disk(str(tmp / "train"))
             val.save_to_disk(str(tmp / "val"))
             (tmp / "stats.json").write_text(json.dumps(stats))

@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import time
-from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -30,9 +30,17 @@ from draftheads.errors import DraftheadsError
 from draftheads.inference.batching import ContinuousBatcher, Conversation, Finished
 from draftheads.inference.engine import Engine
 from draftheads.inference.sampling import SamplingParams
-from draftheads.prompts import Prompt, encode_chat, render_chat
+from draftheads.prompts import Prompt, check_unique_ids, encode_chat, render_chat
 from draftheads.targets import check_layer_ids
-from draftheads.utils import atomic_write_json, atomic_write_text, read_jsonl_prefix, refuse_changed_settings
+from draftheads.utils import (
+    atomic_write_json,
+    atomic_write_text,
+    check_writable_dir,
+    check_writable_file,
+    exclusive,
+    read_jsonl_prefix,
+    refuse_changed_settings,
+)
 
 _SENTINEL = "\u2063draftheads-answer\u2063"
 
@@ -77,6 +85,25 @@ def _prompts_digest(prompts: list[Prompt]) -> str:
     return h.hexdigest()[:16]
 
 
+def check_distill(prompts: list[Prompt], out, batch_size: int, features, feature_dir, val_fraction: float) -> None:
+    """The arguments of :func:`distill` that need no target, checked before it is loaded."""
+    if batch_size < 1:
+        raise DraftheadsError(f"--batch-size {batch_size} must be >= 1")
+    if not 0 <= val_fraction < 1:
+        raise DraftheadsError(f"--val-fraction {val_fraction} must be in [0, 1)")
+    if not prompts:
+        raise DraftheadsError("no prompts to distill: check --prompts and --domains")
+    check_unique_ids(prompts)
+    if (features is None) != (feature_dir is None):
+        raise DraftheadsError("--features and --feature-dir go together: give both, or neither")
+    out = Path(out)
+    if out.exists():
+        raise DraftheadsError(f"--out {str(out)!r} already exists: remove it, or choose another path")
+    check_writable_file(out)
+    if feature_dir is not None:
+        check_writable_dir(feature_dir, "--feature-dir")
+
+
 def distill(
     target, prompts: list[Prompt], out: str | os.PathLike, max_new_tokens: int = 256, temperature: float = 0.0,
     batch_size: int = 32, seed: int = 0, top_p: float = 1.0, max_seq_len: int | None = None,
@@ -85,18 +112,17 @@ def distill(
 ) -> Path:
     """Answer ``prompts`` with the target; returns ``out``. See the module docstring."""
     SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)  # validates
-    if batch_size < 1:
-        raise DraftheadsError(f"--batch-size {batch_size} must be >= 1")
-    if not prompts:
-        raise DraftheadsError("no prompts to distill: check --prompts and --domains")
-    dup = next((i for i, n in Counter(p.id for p in prompts).items() if n > 1), None)
-    if dup is not None:
-        raise DraftheadsError(f"prompt id {dup!r} appears more than once: give every prompt its own id")
-    if (features is None) != (feature_dir is None):
-        raise DraftheadsError("--features and --feature-dir go together: give both, or neither")
+    check_distill(prompts, out, batch_size, features, feature_dir, val_fraction)
     out = Path(out)
-    if out.exists():
-        raise DraftheadsError(f"--out {str(out)!r} already exists: remove it, or choose another path")
+    with exclusive(out), (exclusive(feature_dir, "--feature-dir") if feature_dir is not None else nullcontext()):
+        if out.exists():  # a run that held the lock finished meanwhile
+            raise DraftheadsError(f"--out {str(out)!r} was just written by another run: choose another path")
+        return _distill(target, prompts, out, max_new_tokens, temperature, batch_size, seed, top_p, max_seq_len,
+                        features, feature_dir, val_fraction, shard_rows, feature_dtype, progress)
+
+
+def _distill(target, prompts, out: Path, max_new_tokens, temperature, batch_size, seed, top_p, max_seq_len,
+             features, feature_dir, val_fraction, shard_rows, feature_dtype, progress) -> Path:
     info, tok = target.info, target.tokenizer
     layers = check_layer_ids(features, info.num_layers, "--features") if features is not None else ()
     if features is not None and not layers:

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from draftheads.errors import DraftheadsError
 from draftheads.targets import check_layer_ids, hidden_states
 from draftheads.training.data import collate, doc_causal_mask
-from draftheads.utils import atomic_dir, atomic_write_json
+from draftheads.utils import atomic_dir, atomic_write_json, safetensors_shapes
 
 ROW_KEYS = ("input_ids", "loss_mask", "position_ids", "doc_ids")
 INDEX_VERSION = 2
@@ -38,10 +38,15 @@ def _save_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     os.replace(tmp, path)
 
 
+CACHE_FILES = ("index.json", "train-*.safetensors", "val-*.safetensors")
+"""What a feature cache folder holds."""
+
+
 @torch.no_grad()
 def write_feature_cache(
     model, rows_by_split: dict, layer_ids, out: str | os.PathLike, target_name: str,
-    batch_size: int = 4, shard_rows: int = 256, dtype=torch.bfloat16, progress=None,
+    batch_size: int = 4, shard_rows: int = 256, dtype=torch.bfloat16, progress=None, overwrite: bool = False,
+    inputs=(),
 ) -> Path:
     """Run the target over packed rows and write their features (the offline path)."""
     from draftheads.training.losses import linear_argmax
@@ -51,7 +56,7 @@ def write_feature_cache(
     layer_ids = check_layer_ids(layer_ids, last, "feature layers")
     wanted = sorted(set(layer_ids) | {last})
     index = new_index(target_name, layer_ids, dtype)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, "cache-features", overwrite=overwrite, inputs=inputs) as tmp:
         for split, rows in rows_by_split.items():
             shards = []
             for s in range(0, len(rows), shard_rows):
@@ -199,6 +204,12 @@ class FeatureDataset(torch.utils.data.Dataset):
             raise DraftheadsError(
                 f"feature cache {str(self.root)!r} lacks shard(s) {missing[:3]}: the cache is damaged; write it again"
             )
+        want = {"input_ids", *(f"feat_{i}" for i in self.index.get("layer_ids", []))}
+        for sh in self.shards:  # headers only: a damaged shard stops here, not mid-epoch
+            shapes = safetensors_shapes(self.root / sh["file"])
+            if not want <= shapes.keys() or shapes["input_ids"][0] != sh["rows"]:
+                raise DraftheadsError(f"feature cache {str(self.root)!r}: shard {sh['file']} does not match index.json "
+                                      "(tensors or row count): the cache is damaged; write it again")
         self.offsets = []
         n = 0
         for sh in self.shards:

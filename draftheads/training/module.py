@@ -16,10 +16,12 @@ import torch
 
 from draftheads.errors import DraftheadsError
 from draftheads.heads import check_head_fits_target, save_head
+from draftheads.heads.base import HEAD_FILES
 from draftheads.inference.metrics import simulated_tau
 from draftheads.targets import freeze, hidden_states, load_target
 from draftheads.training.data import doc_causal_mask
 from draftheads.training.losses import linear_argmax
+from draftheads.utils import check_output_dir
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,9 @@ class DraftHeadModule(L.LightningModule):
             raise DraftheadsError(f"model.lr={lr} must be > 0")
         if not 0 <= warmup_ratio < 1:
             raise DraftheadsError(f"model.warmup_ratio={warmup_ratio} must be in [0, 1)")
+        if head_dir:  # checked now, not after the training it would end
+            check_output_dir(head_dir, "head", names=HEAD_FILES, flag="model.head_dir",
+                             fix="delete it first to replace it")
         self.target: torch.nn.Module | None = None
         self.head: torch.nn.Module | None = None
         self.info = None
@@ -118,6 +123,11 @@ class DraftHeadModule(L.LightningModule):
         cached = {i: batch[f"feat_{i}"] for i in layer_ids if f"feat_{i}" in batch}
         if len(cached) == len(layer_ids):
             return {i: cached[i].to(self.head_dtype) for i in layer_ids}
+        have = sorted(int(k[5:]) for k in batch if k.startswith("feat_"))
+        if have:  # an offline cache without some layer this head reads: not silently run the target instead
+            raise DraftheadsError(f"the feature cache holds layers {have} but this head reads {sorted(layer_ids)}: "
+                                  "write the cache with these layers (e.g. --features eagle3), or train without "
+                                  "data.feature_dir")
         mask = doc_causal_mask(batch["doc_ids"], dtype=self.target_dtype)
         with torch.no_grad():
             feats, _ = hidden_states(

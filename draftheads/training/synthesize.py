@@ -28,7 +28,13 @@ from draftheads.inference.batching import ContinuousBatcher, Conversation
 from draftheads.inference.engine import Engine
 from draftheads.inference.sampling import SamplingParams
 from draftheads.prompts import render_chat
-from draftheads.utils import atomic_write_json, atomic_write_text, read_jsonl_prefix, refuse_changed_settings
+from draftheads.utils import (
+    atomic_write_json,
+    atomic_write_text,
+    exclusive,
+    read_jsonl_prefix,
+    refuse_changed_settings,
+)
 
 # Openings of the user turn per domain ("" = unsteered). Passage requests feed summarization and
 # translation, whose prompts wrap the target's own passage in an instruction.
@@ -266,9 +272,14 @@ class Synthesizer:
 
 
 def synthesize(target, out: str | os.PathLike, config: SynthConfig | None = None, progress=print) -> Path:
-    """Write ``config.num_prompts`` target-written prompts to ``out``; see the module docstring."""
-    cfg = config or SynthConfig()
+    """Write ``config.num_prompts`` target-written prompts to ``out``; see the module docstring. One run
+    at a time writes ``out`` (a second stops with one line)."""
     out = Path(out)
+    with exclusive(out):
+        return _synthesize(target, out, config or SynthConfig(), progress)
+
+
+def _synthesize(target, out: Path, cfg: SynthConfig, progress) -> Path:
     if out.exists():
         raise DraftheadsError(f"--out {str(out)!r} already exists: remove it, or choose another path")
     partial, meta = out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json")

@@ -1,7 +1,7 @@
 import pytest
 
 from draftheads.inference.metrics import SpecMetrics
-from draftheads.inference.timing import Run, interleaved, plausible, tokens_per_forward
+from draftheads.inference.timing import Run, interleaved, median_ci, plausible, tokens_per_forward
 
 
 def _metrics(emitted, forwards):
@@ -9,7 +9,7 @@ def _metrics(emitted, forwards):
     return m
 
 
-def test_rotating_order_and_ratios():
+def test_shuffled_order_and_ratios():
     calls = []
 
     def method(name, seconds):
@@ -18,8 +18,12 @@ def test_rotating_order_and_ratios():
             return Run(seconds, 10, _metrics(10, 4) if name == "spec" else None)
         return run
 
-    t = interleaved({"plain": method("plain", 2.0), "spec": method("spec", 1.0)}, [0, 1, 2, 3])
-    assert [n for i, n in calls if i == 0] == ["plain", "spec"] and [n for i, n in calls if i == 1] == ["spec", "plain"]
+    names = ["plain", "spec", "other"]
+    t = interleaved({n: method(n, 2.0 if n != "spec" else 1.0) for n in names}, list(range(30)))
+    orders = [tuple(n for i, n in calls if i == item) for item in range(30)]
+    assert all(sorted(o) == sorted(names) for o in orders)  # each method once per item
+    follows = {(o[k], o[k + 1]) for o in orders for k in range(2)}
+    assert len(follows) == 6  # every method ran right after every other one (a rotation gives 3 pairs)
     r = t.ratio("spec")
     assert r["speedup"] == pytest.approx(2.0) and r["median"] == pytest.approx(2.0) and r["flagged"] == 0
     assert t.rate("spec") == pytest.approx(10.0)
@@ -41,3 +45,16 @@ def test_impossible_speedups_are_measured_again_then_flagged():
     assert tokens_per_forward(_metrics(10, 9)) == pytest.approx(1.0)
     assert plausible(1.01, _metrics(10, 9)) and not plausible(1.5, _metrics(10, 9))
     assert plausible(2.5, _metrics(30, 9))  # 3 tokens per forward allow up to 3x
+
+
+def test_median_ci_ranks_and_coverage():
+    import random
+
+    assert median_ci([float(i) for i in range(1, 101)]) == (40.0, 61.0)  # the textbook ranks for n = 100
+    assert median_ci([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few values: the whole range
+    rng = random.Random(0)
+    trials, covered = 2000, 0
+    for _ in range(trials):  # skewed noise; the true median of expovariate(1) is ln 2
+        lo, hi = median_ci([rng.expovariate(1.0) for _ in range(25)])
+        covered += lo <= 0.6931 <= hi
+    assert 0.94 <= covered / trials <= 0.995

@@ -126,3 +126,49 @@ def test_bad_input(tiny_target, tmp_path):
     next(feats.glob("train-*.safetensors")).unlink()
     with pytest.raises(DraftheadsError, match="lacks shard"):
         FeatureDataset(feats, "train")
+
+
+def test_a_killed_run_resumes_and_a_second_run_is_refused(tiny_llama_dir, tmp_path):
+    """Real processes: while a first distill holds --out (stopped with SIGSTOP part-way, so the timing
+    cannot race), a second one stops with one line; the first is then killed (SIGKILL, no cleanup), and
+    a rerun finishes with exactly the rows of an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    n = 96
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "domain": "chat", "turns": [f"question {i}?"]}) + "\n"
+                               for i in range(n)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def cmd(out):
+        return [sys.executable, "-m", "draftheads.cli", "distill", "--target", str(tiny_llama_dir), "--prompts",
+                str(prompts), "--max-new-tokens", "16", "--batch-size", "4", "--threads", "1", "--out", str(out)]
+
+    assert subprocess.run(cmd(tmp_path / "ref.jsonl"), env=env, capture_output=True).returncode == 0
+    out = tmp_path / "d.jsonl"
+    partial = tmp_path / "d.jsonl.partial"
+    first = subprocess.Popen(cmd(out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while (not partial.is_file() or partial.read_text().count("\n") < 4) and first.poll() is None \
+                and time.time() < deadline:
+            time.sleep(0.01)
+        first.send_signal(signal.SIGSTOP)
+        assert first.poll() is None and not out.exists(), "the first run ended before it could be interrupted"
+        second = subprocess.run(cmd(out), env=env, capture_output=True, text=True)
+        assert second.returncode == 2 and "being written by another run" in second.stderr, second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert not out.exists() and partial.is_file()
+    assert 0 < len(partial.read_text().splitlines()) < n
+    rerun = subprocess.run(cmd(out), env=env, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr
+    rows = out.read_text().splitlines()
+    assert len({json.loads(r)["id"] for r in rows}) == len(rows) == n
+    assert sorted(rows) == sorted((tmp_path / "ref.jsonl").read_text().splitlines())
