@@ -82,8 +82,10 @@ def save_tiny_llama(out: str | Path, seed: int = 0, chat_template: bool = True, 
 
 
 def random_heads(model, seed: int = 0, draft_vocab_size: int = 64) -> dict:
-    """Randomly initialised Medusa, EAGLE-1 and EAGLE-3 heads shaped for ``model``."""
+    """Randomly initialised Medusa, EAGLE-1, EAGLE-3 and DFlash heads shaped for ``model``."""
     from draftheads.heads import (
+        DFlashConfig,
+        DFlashHead,
         Eagle3Config,
         Eagle3Head,
         EagleConfig,
@@ -104,6 +106,8 @@ def random_heads(model, seed: int = 0, draft_vocab_size: int = 64) -> dict:
         "eagle": EagleHead(EagleConfig(layer=spec, vocab_size=vocab)),
         "eagle3": Eagle3Head(Eagle3Config(layer=spec, vocab_size=vocab, draft_vocab_size=draft_vocab_size,
                                           aux_layer_ids=(1, n // 2, n - 1), target_hidden_size=cfg.hidden_size)),
+        "dflash": DFlashHead(DFlashConfig(layer=spec, vocab_size=vocab, target_layer_ids=(1, n - 1), mask_token_id=0,
+                                          block_size=5, num_layers=2)),
     }
     for head in heads.values():
         for p in head.parameters():

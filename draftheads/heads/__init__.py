@@ -15,6 +15,7 @@ from draftheads.heads.base import (
     read_head_dir,
     save_head_dir,
 )
+from draftheads.heads.dflash import DFlashConfig, DFlashHead, default_target_layer_ids
 from draftheads.heads.eagle import EagleConfig, EagleHead
 from draftheads.heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
 from draftheads.heads.layers import LayerSpec
@@ -46,12 +47,18 @@ def _eagle3_layers(num_layers: int) -> list[int]:
     return sorted(set(default_aux_layer_ids(num_layers)) | {num_layers})
 
 
+def _dflash_layers(num_layers: int) -> list[int]:
+    return list(default_target_layer_ids(num_layers))
+
+
 FAMILIES = {
     "medusa": HeadFamily(MedusaConfig, MedusaHeads, "draftheads.inference.proposers.medusa:MedusaProposer",
                          _last_layer),
     "eagle": HeadFamily(EagleConfig, EagleHead, "draftheads.inference.proposers.eagle:EagleProposer", _last_layer),
     "eagle3": HeadFamily(Eagle3Config, Eagle3Head, "draftheads.inference.proposers.eagle3:Eagle3Proposer",
                          _eagle3_layers),
+    "dflash": HeadFamily(DFlashConfig, DFlashHead, "draftheads.inference.proposers.dflash:DFlashProposer",
+                         _dflash_layers),
 }
 
 
@@ -61,7 +68,7 @@ def family(head_type: str) -> HeadFamily:
     return FAMILIES[head_type]
 
 __all__ = [
-    "FAMILIES", "HeadFamily", "family", "EagleConfig", "EagleHead", "Eagle3Config", "Eagle3Head", "LayerSpec", "MedusaConfig",
+    "FAMILIES", "HeadFamily", "DFlashConfig", "DFlashHead", "family", "EagleConfig", "EagleHead", "Eagle3Config", "Eagle3Head", "LayerSpec", "MedusaConfig",
     "MedusaHeads", "default_aux_layer_ids", "load_head", "save_head", "check_head_fits_target",
 ]
 
@@ -107,9 +114,9 @@ def check_head_fits_target(head, info) -> None:
             f"{head.head_type} head has vocab size {c.vocab_size} but target {info.name} has "
             f"{info.vocab_size}: use a head trained for this target's tokenizer"
         )
-    ids = getattr(c, "aux_layer_ids", ())
+    ids = getattr(c, "aux_layer_ids", None) or getattr(c, "target_layer_ids", ())
     if ids and (max(ids) > info.num_layers or min(ids) < 0):
         raise DraftheadsError(
-            f"eagle3 aux_layer_ids {list(ids)} fall outside 0..{info.num_layers} of target {info.name}: "
-            "retrain with ids valid for this target"
+            f"{head.head_type} target layer ids {list(ids)} fall outside 0..{info.num_layers} of target "
+            f"{info.name}: retrain with ids valid for this target"
         )

@@ -3,6 +3,8 @@ import torch
 
 from draftheads.errors import DraftheadsError
 from draftheads.heads import (
+    DFlashConfig,
+    DFlashHead,
     Eagle3Config,
     Eagle3Head,
     EagleConfig,
@@ -97,6 +99,8 @@ def test_eagle3_ttt_equals_step_by_step_drafting():
     lambda: MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=60, num_heads=3, num_layers=2, draft_vocab_size=10)),
     lambda: _randomize(EagleHead(EagleConfig(layer=SPEC, vocab_size=60, draft_vocab_size=12))),
     lambda: _eagle3(),
+    lambda: DFlashHead(DFlashConfig(layer=SPEC, vocab_size=60, target_layer_ids=(1, 3), mask_token_id=59,
+                                    draft_vocab_size=20, num_layers=2, block_size=8)),
 ])
 def test_save_load_round_trip(tmp_path, make):
     head = _randomize(make())
@@ -118,7 +122,7 @@ def test_head_target_mismatch_is_one_clear_error():
     with pytest.raises(DraftheadsError, match="vocab size 60 .* has 61"):
         check_head_fits_target(_eagle3(), info)
     info = SimpleNamespace(name="t", hidden_size=32, vocab_size=60, num_layers=2)
-    with pytest.raises(DraftheadsError, match="aux_layer_ids"):
+    with pytest.raises(DraftheadsError, match="target layer ids"):
         check_head_fits_target(_eagle3(), info)
 
 

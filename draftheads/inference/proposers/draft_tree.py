@@ -35,7 +35,7 @@ class DraftState:
 
 
 @dataclass
-class _Node:
+class Node:
     token: int  # head-vocabulary index
     parent: int  # pool index, -1 = root
     depth: int
@@ -115,7 +115,7 @@ class DraftTreeProposer(Proposer):
         spec = tree
         k = spec.top_k
         top = torch.topk(ds.last_logp, min(k, ds.last_logp.numel()))
-        pool = [_Node(int(t), -1, 1, float(s)) for s, t in zip(top.values, top.indices)]
+        pool = [Node(int(t), -1, 1, float(s)) for s, t in zip(top.values, top.indices)]
         frontier = list(range(len(pool)))
         entries_k: list[torch.Tensor] = []
         entries_v: list[torch.Tensor] = []
@@ -150,26 +150,31 @@ class DraftTreeProposer(Proposer):
             cands = []
             for row, i in enumerate(frontier):
                 for s, t in zip(top.values[row].tolist(), top.indices[row].tolist()):
-                    pool.append(_Node(t, i, depth + 1, pool[i].score + s))
+                    pool.append(Node(t, i, depth + 1, pool[i].score + s))
                     cands.append(len(pool) - 1)
             frontier = sorted(cands, key=lambda j: -pool[j].score)[:k]
         return self._select(st.root, pool, spec.total_tokens)
 
-    def _select(self, root: int, pool: list[_Node], total_tokens: int) -> Tree:
-        keep = sorted(range(len(pool)), key=lambda j: (-pool[j].score, pool[j].depth))[: total_tokens - 1]
-        chosen = set(keep)
-        for j in keep:  # ancestor closure (scores never grow with depth, but ties may reorder)
-            a = pool[j].parent
-            while a >= 0 and a not in chosen:
-                chosen.add(a)
-                a = pool[a].parent
-        order = sorted(chosen, key=lambda j: (pool[j].depth, j))
-        index = {j: n + 1 for n, j in enumerate(order)}
-        ids = self.to_target_ids(torch.tensor([pool[j].token for j in order], dtype=torch.long,
-                                              device=self.head_device)).tolist()
-        parents = [-1] + [0 if pool[j].parent < 0 else index[pool[j].parent] for j in order]
-        return Tree([root, *ids], parents)
+    def _select(self, root: int, pool: list[Node], total_tokens: int) -> Tree:
+        return select_tree(root, pool, total_tokens, lambda ids: self.to_target_ids(ids.to(self.head_device)))
 
     @property
     def head_device(self):
         return next(self.head.parameters()).device
+
+
+def select_tree(root: int, pool: list[Node], total_tokens: int, to_target_ids) -> Tree:
+    """The best ``total_tokens - 1`` drafted nodes by cumulative log-probability (with their ancestors),
+    as a tree rooted at ``root``; ``to_target_ids`` maps head-vocabulary indices [n] to target ids."""
+    keep = sorted(range(len(pool)), key=lambda j: (-pool[j].score, pool[j].depth))[: total_tokens - 1]
+    chosen = set(keep)
+    for j in keep:  # ancestor closure (scores never grow with depth, but ties may reorder)
+        a = pool[j].parent
+        while a >= 0 and a not in chosen:
+            chosen.add(a)
+            a = pool[a].parent
+    order = sorted(chosen, key=lambda j: (pool[j].depth, j))
+    index = {j: n + 1 for n, j in enumerate(order)}
+    ids = to_target_ids(torch.tensor([pool[j].token for j in order], dtype=torch.long)).tolist()
+    parents = [-1] + [0 if pool[j].parent < 0 else index[pool[j].parent] for j in order]
+    return Tree([root, *ids], parents)

@@ -1,0 +1,66 @@
+import pytest
+import torch
+
+from draftheads.errors import DraftheadsError
+from draftheads.heads.dflash import DFlashConfig, DFlashHead, block_attention_mask
+from draftheads.heads.layers import LayerSpec
+
+SPEC = LayerSpec(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
+def _head(**kw) -> DFlashHead:
+    torch.manual_seed(0)
+    cfg = DFlashConfig(layer=SPEC, vocab_size=50, target_layer_ids=(1, 2), mask_token_id=49, block_size=3,
+                       target_hidden_size=24, **{"num_layers": 2, **kw})
+    head = DFlashHead(cfg)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return head.eval()
+
+
+def test_block_mask_by_hand_two_anchors():
+    # one row of 6 tokens, two documents [0, 0, 0, 0, 1, 1]; blocks of 2 anchored at 3 and 5
+    m = block_attention_mask(torch.tensor([[3, 5]]), torch.tensor([[0, 0, 0, 0, 1, 1]]), block_size=2)[0, 0]
+    ctx, own = m[:, :6].int().tolist(), m[:, 6:].int().tolist()
+    assert ctx == [[1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0],  # block at 3: its document before position 3
+                   [0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 1, 0]]  # block at 5: document 1 before position 5
+    assert own == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]  # non-causal within a block
+    causal = block_attention_mask(torch.tensor([[3, 5]]), torch.tensor([[0, 0, 0, 0, 1, 1]]), 2, causal=True)
+    assert causal[0, 0, :, 6:].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+    window = block_attention_mask(torch.tensor([[3, -1]]), torch.zeros(1, 6, dtype=torch.long), 2, sliding_window=2)
+    assert window[0, 0, 0, :6].int().tolist() == [0, 1, 1, 0, 0, 0]
+    assert window[0, 0, 2, :6].int().tolist() == [0] * 6  # no anchor: only its own block
+
+
+def test_many_blocks_in_one_pass_equal_each_block_alone():
+    head = _head()
+    t, h = 10, SPEC.hidden_size
+    feats = torch.randn(1, t, 2 * 24)
+    pos = torch.arange(t)[None]
+    embeds = torch.randn(1, t, h)
+    anchors = torch.tensor([[2, 5, 9]])
+    ctx = head.context(feats)
+    kv = head.context_kv(ctx, pos)
+    q = head.block_inputs(embeds[:, anchors[0]])
+    qpos = (anchors[0, :, None] + torch.arange(3)).reshape(1, -1)
+    mask = block_attention_mask(anchors, torch.zeros(1, t, dtype=torch.long), 3)
+    together = head(q, qpos, kv, mask)
+    for j, a in enumerate(anchors[0].tolist()):  # the block alone, with the context before its anchor only
+        kv_a = head.context_kv(ctx[:, :a], pos[:, :a])
+        alone = head(head.block_inputs(embeds[:, [a]]), qpos[:, 3 * j: 3 * j + 3], kv_a,
+                     torch.ones(1, 1, 3, a + 3, dtype=torch.bool))
+        torch.testing.assert_close(together[:, 3 * j: 3 * j + 3], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"target_layer_ids": (2, 1)}, "ascending"),
+    ({"target_layer_ids": (0, 1)}, ">= 1"),
+    ({"block_size": 129}, "2..128"),
+    ({"num_layers": 6}, "1..5"),
+    ({"mask_token_id": 50}, "below vocab_size"),
+    ({"draft_vocab_size": 51}, "1..vocab_size"),
+])
+def test_bad_config_is_one_error(kw, message):
+    base = dict(layer=SPEC, vocab_size=50, target_layer_ids=(1, 2), mask_token_id=49)
+    with pytest.raises(DraftheadsError, match=message):
+        DFlashConfig(**{**base, **kw})
