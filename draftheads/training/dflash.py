@@ -1,0 +1,171 @@
+"""DFlash training: many blocks per packed row, each anchored inside an assistant span, in one forward.
+
+For a row with target features, ``anchors_per_row`` anchor positions a are drawn among the positions
+whose next token is trained (``loss_mask[a + 1]``); block j is ``[x_a, MASK, ...]`` at a .. a + B - 1
+and sees its document's context before a (:func:`~draftheads.heads.dflash.block_attention_mask`). The
+mask at a + k is trained towards the target's own next-token distribution at a + k - 1 (KL, teacher
+logits computed only at those positions) or its token (``loss: ce``), weighted by exp(-(k - 1) / B),
+over the target's full vocabulary through its frozen lm_head, with the chunked/Liger fused losses.
+Anchors are drawn from a generator seeded by the step in training (a resumed run draws the same) and
+by the batch in validation (epochs are compared on the same blocks); ``val/acc_k`` is the top-1 agreement with the target at block position k.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from draftheads.errors import DraftheadsError
+from draftheads.heads import DFlashConfig, DFlashHead, LayerSpec
+from draftheads.heads.dflash import block_attention_mask, default_target_layer_ids
+from draftheads.targets import check_layer_ids
+from draftheads.training.losses import linear_argmax, linear_cross_entropy, linear_kl
+from draftheads.training.module import DraftHeadModule
+
+LOSSES = ("kl", "ce")
+
+
+def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, n: int, generator=None) -> torch.Tensor:
+    """[B, n] anchor positions (ascending; -1 where a row has fewer candidates): positions a whose next
+    token is trained and in the same document."""
+    b, t = loss_mask.shape
+    ok = torch.zeros(b, t, dtype=torch.bool, device=loss_mask.device)
+    ok[:, :-1] = loss_mask[:, 1:].bool() & (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, :-1] >= 0)
+    out = torch.full((b, n), -1, dtype=torch.long, device=loss_mask.device)
+    for r in range(b):
+        cand = ok[r].nonzero().flatten()
+        if cand.numel():
+            pick = torch.randperm(cand.numel(), generator=generator)[:n].to(cand.device)
+            chosen = cand[pick].sort().values
+            out[r, : chosen.numel()] = chosen
+    return out
+
+
+class DFlashModule(DraftHeadModule):
+    head_type = "dflash"
+
+    def __init__(
+        self,
+        target_layer_ids: list[int] | None = None,
+        num_layers: int = 1,
+        block_size: int = 16,
+        anchors_per_row: int = 32,
+        mask_token_id: int | None = None,
+        causal: bool = False,
+        sliding_window: int | None = None,
+        loss: str = "kl",
+        seed: int = 0,
+        **kwargs,
+    ):
+        """
+        Args:
+            target_layer_ids: HF hidden-state ids of the target layers forming the context (default: the
+                EAGLE-3 layers (2, L//2, L-3), so one feature cache serves both families).
+            num_layers: draft decoder layers (1-5).
+            block_size: tokens per block (the anchor and block_size - 1 masks); serve with
+                num_speculative_tokens = block_size - 1.
+            anchors_per_row: blocks trained per packed row per step.
+            mask_token_id: the id exports name for the mask (default: a special token of the tokenizer
+                that never occurs in the training data); the mask's embedding is learned.
+            causal: causal attention within a block.
+            sliding_window: context positions a block sees, back from its anchor (None = all).
+            loss: ``kl`` (to the target's distribution) or ``ce`` (to the data's tokens).
+            seed: seed of the anchor draws (a function of seed and step, so resumes are exact).
+            **kwargs: see :class:`DraftHeadModule`.
+        """
+        super().__init__(**kwargs)
+        self.save_hyperparameters()
+        if loss not in LOSSES:
+            raise DraftheadsError(f"model.loss={loss!r}: use one of {list(LOSSES)}")
+        if anchors_per_row < 1:
+            raise DraftheadsError(f"model.anchors_per_row={anchors_per_row} must be >= 1")
+
+    def build_head(self, info, datamodule):
+        hp = self.hparams
+        ids = tuple(hp.target_layer_ids) if hp.target_layer_ids else default_target_layer_ids(info.num_layers)
+        check_layer_ids(ids, info.num_layers - 1, "model.target_layer_ids")
+        mask_id = self._mask_token_id(info, datamodule)
+        head = DFlashHead(DFlashConfig(
+            layer=LayerSpec.from_hf_config(self.target.config), vocab_size=info.vocab_size, target_layer_ids=ids,
+            mask_token_id=mask_id, num_layers=hp.num_layers, block_size=hp.block_size,
+            target_hidden_size=info.hidden_size, causal=hp.causal, sliding_window=hp.sliding_window,
+        ))
+        with torch.no_grad():  # start the mask where the token it stands for sits
+            head.mask_embedding.copy_(self.target.get_input_embeddings().weight[mask_id].float())
+        return head
+
+    def _mask_token_id(self, info, datamodule) -> int:
+        """The given id, checked against the data, or the last special token the data never uses."""
+        counts = datamodule.token_counts(info.vocab_size, masked=False) if datamodule is not None else None
+        used = set(counts.nonzero().flatten().tolist()) if counts is not None else set()
+        mask_id = self.hparams.mask_token_id
+        if mask_id is not None:
+            if not 0 <= mask_id < info.vocab_size:
+                raise DraftheadsError(f"model.mask_token_id={mask_id} is outside the vocabulary (0..{info.vocab_size - 1})")
+            if mask_id in used:
+                raise DraftheadsError(f"model.mask_token_id={mask_id} occurs in the training data as a real token: "
+                                      "choose a special token the data never uses")
+            return mask_id
+        from draftheads.targets import load_tokenizer
+
+        tok = load_tokenizer(self.hparams.target, trust_remote_code=self.hparams.trust_remote_code)
+        free = [i for i in sorted(set(tok.all_special_ids)) if i not in used and i < info.vocab_size]
+        if not free:
+            raise DraftheadsError("no special token of the tokenizer is free for the mask: set model.mask_token_id "
+                                  "to an id the training data never uses")
+        return free[-1]
+
+    def compute_loss(self, batch):
+        cfg = self.head.config
+        n = self.info.num_layers
+        feats = self.features(batch, sorted(set(cfg.target_layer_ids) | {n}))
+        last = feats[n]
+        ids, pos, docs = batch["input_ids"], batch["position_ids"], batch["doc_ids"]
+        # training: a function of the step (resumes draw the same blocks); validation: of the batch (every
+        # epoch is measured on the same blocks)
+        key = self.hparams.seed * 1_000_003 + self.global_step if self.training else int(ids.sum())
+        gen = torch.Generator().manual_seed(key % (1 << 62))
+        anchors = sample_anchors(batch["loss_mask"], docs, self.hparams.anchors_per_row, gen)
+        bsz, t = ids.shape
+        blk = cfg.block_size
+        ctx = self.head.context(torch.cat([feats[i] for i in cfg.target_layer_ids], -1))
+        kv = self.head.context_kv(ctx, pos)
+        a = anchors.clamp(min=0)
+        block = self.head.block_inputs(self.embed(ids.gather(1, a)).to(ctx.dtype))
+        offsets = torch.arange(blk, device=ids.device)
+        qpos = (pos.gather(1, a)[:, :, None] + offsets).reshape(bsz, -1)
+        mask = block_attention_mask(anchors, docs, blk, cfg.causal, cfg.sliding_window)
+        out = self.head(block, qpos, kv, mask).view(bsz, -1, blk, ctx.shape[-1])  # [B, N, blk, H]
+
+        at = a[:, :, None] + offsets  # [B, N, blk] row positions of the block's tokens
+        inside = (anchors[:, :, None] >= 0) & (at < t)
+        at = at.clamp(max=t - 1)
+        same_doc = docs.gather(1, at.flatten(1)).view_as(at) == docs.gather(1, a)[:, :, None]
+        trained = batch["loss_mask"].gather(1, at.flatten(1)).view_as(at).bool()
+        valid = inside & same_doc & trained
+        w_student = self.head.projection(self.lm_head_weight).to(out.dtype)
+        w_teacher = self.lm_head_weight.to(last.dtype)
+        argmax = self.target_argmax(batch, last)
+        total = out.new_zeros((), dtype=torch.float32)
+        logs, accs = {}, []
+        for k in range(1, blk):
+            m = valid[:, :, k]
+            if not m.any():
+                accs.append(float("nan"))
+                total = total + out.sum() * 0.0  # keep every parameter in the graph (DDP)
+                continue
+            hs = out[:, :, k][m]  # [rows, H]
+            src = (at[:, :, k] - 1)[m]  # the target predicts position a + k from a + k - 1
+            rows = torch.nonzero(m)[:, 0]
+            want = argmax[rows, src]
+            if self.hparams.loss == "kl":
+                lk = linear_kl(hs, w_student, last[rows, src], w_teacher, impl=self.hparams.loss_impl,
+                               chunk_size=self.hparams.loss_chunk_size)
+            else:
+                lk = linear_cross_entropy(hs, w_student, ids[rows, at[:, :, k][m]], impl=self.hparams.loss_impl,
+                                          chunk_size=self.hparams.loss_chunk_size)
+            total = total + math.exp(-(k - 1) / blk) * lk
+            logs[f"loss_{k}"] = lk.detach()
+            accs.append((linear_argmax(hs.detach(), w_student.detach()) == want).float().mean().item())
+        return total, logs, accs

@@ -1,0 +1,88 @@
+import math
+
+import pytest
+import torch
+
+from draftheads.errors import DraftheadsError
+from draftheads.targets import hidden_states
+from draftheads.training.dflash import DFlashModule, sample_anchors
+from draftheads.training.losses import plain_linear_kl
+
+
+@pytest.fixture(scope="module")
+def module(tiny_llama_dir):
+    torch.manual_seed(0)
+    m = DFlashModule(target=str(tiny_llama_dir), block_size=4, anchors_per_row=5, num_layers=2,
+                     target_layer_ids=[1, 3], loss_impl="chunked")
+    m.configure_model()
+    for p in m.head.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return m.train()
+
+
+def _batch(t=24, vocab=300):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, vocab, (2, t), generator=g)
+    loss_mask = torch.zeros(2, t, dtype=torch.long)
+    loss_mask[:, 6:] = 1
+    doc_ids = torch.zeros(2, t, dtype=torch.long)
+    doc_ids[1, 14:] = 1  # the second row packs two documents
+    pos = torch.arange(t).repeat(2, 1)
+    pos[1, 14:] = torch.arange(t - 14)
+    return {"input_ids": ids, "loss_mask": loss_mask, "doc_ids": doc_ids, "position_ids": pos}
+
+
+def test_anchors_lie_before_trained_tokens_of_the_same_document():
+    b = _batch()
+    a = sample_anchors(b["loss_mask"], b["doc_ids"], 50, torch.Generator().manual_seed(0))
+    for r in range(2):
+        got = [x for x in a[r].tolist() if x >= 0]
+        assert got == sorted(got) and len(got) == len(set(got))
+        for x in got:
+            assert b["loss_mask"][r, x + 1] == 1 and b["doc_ids"][r, x + 1] == b["doc_ids"][r, x]
+    assert 13 not in a[1].tolist()  # its next token starts another document
+
+
+def test_loss_equals_a_block_by_block_reference(module):
+    batch = _batch()
+    loss, _, accs = module.compute_loss(batch)
+    head, cfg = module.head, module.head.config
+    n = module.info.num_layers
+    gen = torch.Generator().manual_seed(module.hparams.seed * 1_000_003 + module.global_step)
+    anchors = sample_anchors(batch["loss_mask"], batch["doc_ids"], module.hparams.anchors_per_row, gen)
+    w = module.lm_head_weight
+    per_k = {k: ([], []) for k in range(1, cfg.block_size)}
+    for r in range(2):  # each row and each block alone, with full logits
+        ids, docs, pos = (batch[k][r: r + 1] for k in ("input_ids", "doc_ids", "position_ids"))
+        for a in anchors[r].tolist():
+            if a < 0:
+                continue
+            start = next(i for i in range(a + 1) if docs[0, i] == docs[0, a])  # the document's first token
+            doc_ids = ids[:, start:]
+            hs, _ = hidden_states(module.target, doc_ids, [1, 3, n])
+            ctx = head.context(torch.cat([hs[1], hs[3]], -1)[:, : a - start])
+            kv = head.context_kv(ctx, pos[:, start:a])
+            block = head.block_inputs(module.embed(ids[:, [a]]))
+            qpos = pos[:, a: a + 1] + torch.arange(cfg.block_size)
+            out = head(block, qpos, kv, torch.ones(1, 1, cfg.block_size, a - start + cfg.block_size, dtype=torch.bool))
+            for k in range(1, cfg.block_size):
+                j = a + k
+                if j >= ids.shape[1] or docs[0, j] != docs[0, a] or not batch["loss_mask"][r, j]:
+                    continue
+                per_k[k][0].append(out[0, k])
+                per_k[k][1].append(hs[n][0, j - 1 - start])
+    want = sum(math.exp(-(k - 1) / cfg.block_size) * plain_linear_kl(torch.stack(s), w, torch.stack(t), w)
+               for k, (s, t) in per_k.items() if s)
+    torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
+    assert len(accs) == cfg.block_size - 1
+
+
+def test_mask_token_must_not_be_a_real_token(tiny_llama_dir):
+    m = DFlashModule(target=str(tiny_llama_dir), mask_token_id=5, block_size=4)
+    from types import SimpleNamespace
+
+    dm = SimpleNamespace(token_counts=lambda v, masked=False: torch.bincount(torch.tensor([5, 7]), minlength=v))
+    with pytest.raises(DraftheadsError, match="occurs in the training data"):
+        m._mask_token_id(SimpleNamespace(vocab_size=300), dm)
+    m.hparams.mask_token_id = None
+    assert m._mask_token_id(SimpleNamespace(vocab_size=300), dm) in (0, 1, 2)  # a special token, unused
