@@ -463,9 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="export a head in a format vLLM loads unchanged",
                        description="Formats: vllm-eagle3, speculators (eagle3), vllm-eagle (EAGLE-1, Llama targets), "
-                                   "vllm-medusa (vLLM <= 0.32 only: vLLM 0.33 removed Medusa; served as a top-1 chain).")
+                                   "vllm-medusa (vLLM <= 0.32 only: vLLM 0.33 removed Medusa; served as a top-1 chain), "
+                                   "vllm-dflash (block drafter; serve with num_speculative_tokens <= block_size - 1).")
     p.add_argument("--head", required=True)
-    p.add_argument("--format", required=True, choices=["vllm-eagle3", "speculators", "vllm-eagle", "vllm-medusa"])
+    from draftheads.export.vllm import FORMATS
+
+    p.add_argument("--format", required=True, choices=list(FORMATS))
     p.add_argument("--out", required=True)
     p.add_argument("--verifier", default=None, help="target name or path (written into configs; supplies shared weights)")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
@@ -476,7 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("import", help="import a public Medusa / EAGLE / EAGLE-3 / speculators checkpoint")
-    p.add_argument("--from", dest="source", required=True, choices=["medusa", "eagle", "eagle3", "speculators"])
+    from draftheads.export.imports import SOURCES
+
+    p.add_argument("--from", dest="source", required=True, choices=list(SOURCES))
     p.add_argument("src", help="checkpoint directory or weight file")
     p.add_argument("--out", required=True)
     p.add_argument("--target-layers", type=int, default=None, help="target layer count, when the checkpoint omits aux ids")

@@ -26,6 +26,8 @@ import torch
 
 from draftheads.errors import DraftheadsError
 from draftheads.heads import (
+    DFlashConfig,
+    DFlashHead,
     Eagle3Config,
     Eagle3Head,
     EagleConfig,
@@ -37,7 +39,7 @@ from draftheads.heads import (
 )
 from draftheads.utils import load_safetensors
 
-SOURCES = ("medusa", "eagle", "eagle3", "speculators")
+SOURCES = ("medusa", "eagle", "eagle3", "speculators", "dflash")
 _WEIGHT_FILES = ("model.safetensors", "medusa_lm_head.safetensors", "pytorch_model.bin", "medusa_lm_head.pt",
                  "model.pt", "pytorch_model.pt")
 
@@ -231,6 +233,37 @@ def import_speculators(src: Path, target_layers: int | None = None) -> Eagle3Hea
                         cfg.get("norm_before_residual", False), src)
 
 
+def import_dflash(src: Path) -> DFlashHead:
+    """The HF layout vLLM's ``DFlashDraftModel`` loads (z-lab's): ``dflash_config.target_layer_ids`` count
+    decoder-layer outputs from 0 (HF hidden-state id = id + 1); a ``mask_embedding.pt`` beside the weights
+    (a tensor, or ``{"embedding": ...}``) is the learned mask, else the target's row of the mask token is
+    used when the head runs (it starts as zeros here: import with the target's embedding row to match)."""
+    w, cfg = load_weights(src), _config(src)
+    dcfg = cfg["dflash_config"]
+    if cfg.get("layer_types") and any(t != "full_attention" for t in cfg["layer_types"]):
+        raise DraftheadsError(f"{src}: sliding-window DFlash layers are not supported: import a full-attention head")
+    head = DFlashHead(DFlashConfig(
+        layer=_layer_spec(cfg), vocab_size=cfg["vocab_size"],
+        target_layer_ids=tuple(i + 1 for i in dcfg["target_layer_ids"]), mask_token_id=dcfg["mask_token_id"],
+        num_layers=cfg["num_hidden_layers"], block_size=int(cfg.get("block_size") or 16),
+        target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
+        draft_vocab_size=cfg.get("draft_vocab_size") if "lm_head.weight" in w else None,
+        causal=bool(cfg.get("is_causal", dcfg.get("causal", False))),
+    ))
+    state = {k: v for k, v in w.items() if not k.startswith(("embed_tokens.", "t2d"))}
+    if "lm_head.weight" in state and head.config.draft_vocab_size is None:
+        state.pop("lm_head.weight")  # a full-vocabulary copy of the target's lm_head: the target's is used
+    folder = src if src.is_dir() else src.parent
+    mask = folder / "mask_embedding.pt"
+    if mask.is_file():
+        obj = torch.load(str(mask), map_location="cpu", weights_only=True)
+        state["mask_embedding"] = obj["embedding"] if isinstance(obj, dict) else obj
+    else:
+        state["mask_embedding"] = torch.zeros(head.config.hidden_size)
+    _load_strict(head, state, src)
+    return head
+
+
 def import_checkpoint(source: str, src: str | os.PathLike, out: str | os.PathLike, target_layers: int | None = None,
                       overwrite: bool = False):
     if source not in SOURCES:
@@ -243,6 +276,7 @@ def import_checkpoint(source: str, src: str | os.PathLike, out: str | os.PathLik
         "eagle": lambda: import_eagle(src),
         "eagle3": lambda: import_eagle3(src, target_layers),
         "speculators": lambda: import_speculators(src, target_layers),
+        "dflash": lambda: import_dflash(src),
     }[source]()
     save_head(head, out, {"imported_from": {"source": source, "path": str(src)}}, overwrite=overwrite, inputs=(src,))
     return head

@@ -9,10 +9,16 @@ Formats:
 * ``vllm-medusa``: ``model_type: medusa``; ``blocks.{h}.layers.{l}.weight/bias``, ``lm_heads.{h}.weight``,
   optional ``token_map``. vLLM <= 0.32 only (0.33 removed Medusa); vLLM runs it as a top-1 chain.
 * ``speculators`` (eagle3): the vllm-project/speculators config + the eagle3 weights + ``embed_tokens``.
+* ``vllm-dflash``: the HF layout of vLLM's ``DFlashDraftModel`` (Qwen3 decoder fields plus
+  ``dflash_config`` with ``mask_token_id`` and ``target_layer_ids`` counted from 0 = HF id - 1);
+  ``fc``, ``hidden_norm``, ``layers.{i}.*`` (with ``q_norm``/``k_norm``), ``norm``, optional ``lm_head``
+  + ``d2t``; embeddings and a full-vocabulary lm_head are shared with the target; the learned mask
+  embedding goes to ``mask_embedding.pt``, which vLLM puts in place of the mask token's row.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Callable
@@ -24,6 +30,9 @@ from safetensors.torch import load_file, save_file
 
 from draftheads.errors import DraftheadsError
 from draftheads.utils import atomic_dir
+
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
+"""vllm-dflash: the learned mask embedding [H], which vLLM substitutes for the mask token's row."""
 
 _LAYER_KEYS = [
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -211,6 +220,8 @@ REQUIRED_CONFIG = {
     "vllm-medusa": ["model_type", "num_heads", "num_hidden_layers", "hidden_size", "vocab_size"],
     "speculators": ["speculators_model_type", "speculators_config", "transformer_layer_config", "draft_vocab_size",
                     "target_hidden_size"],
+    "vllm-dflash": ["architectures", "model_type", "dflash_config", "head_dim", "target_hidden_size", "vocab_size",
+                    "hidden_act", "num_hidden_layers"],
 }
 
 
@@ -224,7 +235,7 @@ def validate_export(path: str | os.PathLike, fmt: str) -> None:
     if fmt == "speculators" and "hidden_act" not in cfg["transformer_layer_config"]:
         raise DraftheadsError(f"{path}/config.json: transformer_layer_config lacks hidden_act (vLLM fails without it)")
     weights = load_file(str(path / "model.safetensors"))
-    want = expected_shapes(fmt, cfg)
+    want = EXPORTS[fmt].expected(cfg) if EXPORTS[fmt].expected else expected_shapes(fmt, cfg)
     missing, extra = sorted(set(want) - set(weights)), sorted(set(weights) - set(want))
     if missing or extra:
         raise DraftheadsError(f"{path}: {fmt} weights missing {missing[:6]} and unexpected {extra[:6]}")
@@ -238,18 +249,20 @@ def validate_export(path: str | os.PathLike, fmt: str) -> None:
             raise DraftheadsError(f"{path}: {k} must be floating point, got {t.dtype}")
     if "d2t" in weights:
         ids = torch.arange(weights["d2t"].numel()) + weights["d2t"]
-        if ids.min() < 0 or ids.max() >= want["t2d"][0][0]:
+        vocab = want["t2d"][0][0] if "t2d" in want else cfg["vocab_size"]
+        if ids.min() < 0 or ids.max() >= vocab:
             raise DraftheadsError(f"{path}: d2t must hold offsets (target = i + d2t[i]) within the target vocabulary")
 
 
 # ----------------------------------------------------------------------------- writing
 
 
-EXPORT_FILES = ("model.safetensors", "config.json")
+EXPORT_FILES = ("model.safetensors", "config.json", MASK_EMBEDDING_FILE)
 
 
 def write_export(out: str | os.PathLike, fmt: str, config: dict, tensors: dict[str, torch.Tensor],
-                 dtype: torch.dtype | None = None, overwrite: bool = False, inputs=()) -> Path:
+                 dtype: torch.dtype | None = None, overwrite: bool = False, inputs=(),
+                 files: dict[str, bytes] | None = None) -> Path:
     def cast(t):
         t = t.detach().contiguous().cpu()
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t
@@ -257,6 +270,8 @@ def write_export(out: str | os.PathLike, fmt: str, config: dict, tensors: dict[s
     with atomic_dir(out, "export", overwrite=overwrite, inputs=inputs) as tmp:
         save_file({k: cast(v) for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name, data in (files or {}).items():
+            (tmp / name).write_bytes(data)
         validate_export(tmp, fmt)
     return Path(out)
 
@@ -279,18 +294,18 @@ def vllm_command(target: str, export_dir: str | os.PathLike, fmt: str, k: int, c
 
 
 def _vllm_eagle3(head, target, verifier, k):
-    return eagle3_config(head), eagle3_tensors(head)
+    return eagle3_config(head), eagle3_tensors(head), {}
 
 
 def _vllm_eagle(head, target, verifier, k):
     if head.config.fc_bias:
         raise DraftheadsError("vLLM drops EAGLE-1's fc.bias silently; this head has one: retrain with fc_bias off")
-    return eagle_config(head), eagle_tensors(head)
+    return eagle_config(head), eagle_tensors(head), {}
 
 
 def _vllm_medusa(head, target, verifier, k):
     lm = target.model.get_output_embeddings().weight if target is not None else None
-    return medusa_config(head), medusa_tensors(head, lm)
+    return medusa_config(head), medusa_tensors(head, lm), {}
 
 
 def _speculators(head, target, verifier, k):
@@ -299,7 +314,65 @@ def _speculators(head, target, verifier, k):
     arch = list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
     tensors = eagle3_tensors(head)
     tensors["embed_tokens.weight"] = target.model.get_input_embeddings().weight
-    return speculators_config(head, verifier, arch, k), tensors
+    return speculators_config(head, verifier, arch, k), tensors, {}
+
+
+def dflash_config(head) -> dict:
+    c = head.config
+    if c.sliding_window is not None:
+        raise DraftheadsError("vllm-dflash export of a sliding-window head is not supported: vLLM 0.32 serves "
+                              "sliding-window DFlash layers only on its V2 runner; train with sliding_window null")
+    spec = c.layer
+    cfg = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": c.num_layers, "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads, "head_dim": spec.head_dim, "hidden_act": spec.hidden_act,
+        "rms_norm_eps": spec.rms_norm_eps, "max_position_embeddings": spec.max_position_embeddings,
+        "rope_parameters": {**(spec.rope_scaling or {"rope_type": "default"}), "rope_theta": spec.rope_theta},
+        "rope_theta": spec.rope_theta, "attention_bias": False, "tie_word_embeddings": False,
+        "vocab_size": c.vocab_size, "target_hidden_size": c.target_hidden_size, "block_size": c.block_size,
+        "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.target_layer_ids],
+                          "causal": bool(c.causal)},
+    }
+    if c.draft_vocab_size is not None:
+        cfg["draft_vocab_size"] = c.draft_vocab_size
+    return cfg
+
+
+def dflash_tensors(head) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in head.state_dict().items() if k != "mask_embedding" and not k.startswith("rotary.")}
+
+
+def dflash_expected(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    heads, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    n_ctx = len(cfg["dflash_config"]["target_layer_ids"])
+    out = {"fc.weight": ((h, n_ctx * cfg["target_hidden_size"]), None), "hidden_norm.weight": ((h,), None),
+           "norm.weight": ((h,), None)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        out.update({
+            p + "input_layernorm.weight": ((h,), None), p + "post_attention_layernorm.weight": ((h,), None),
+            p + "self_attn.q_proj.weight": ((heads * d, h), None), p + "self_attn.k_proj.weight": ((kvh * d, h), None),
+            p + "self_attn.v_proj.weight": ((kvh * d, h), None), p + "self_attn.o_proj.weight": ((h, heads * d), None),
+            p + "self_attn.q_norm.weight": ((d,), None), p + "self_attn.k_norm.weight": ((d,), None),
+            p + "mlp.gate_proj.weight": ((inter, h), None), p + "mlp.up_proj.weight": ((inter, h), None),
+            p + "mlp.down_proj.weight": ((h, inter), None),
+        })
+    if cfg.get("draft_vocab_size"):
+        out["lm_head.weight"] = ((cfg["draft_vocab_size"], h), None)
+        out["d2t"] = ((cfg["draft_vocab_size"],), torch.int64)
+    return out
+
+
+def _vllm_dflash(head, target, verifier, k):
+    if k > head.config.drafts_per_block:
+        raise DraftheadsError(f"--num-speculative-tokens {k} is more than this dflash head drafts per block "
+                              f"({head.config.drafts_per_block}): use at most block_size - 1")
+    buf = io.BytesIO()
+    torch.save(head.mask_embedding.detach().float().cpu().clone(), buf)
+    return dflash_config(head), dflash_tensors(head), {MASK_EMBEDDING_FILE: buf.getvalue()}
 
 
 @dataclass(frozen=True)
@@ -309,7 +382,9 @@ class ExportFormat:
     method: str
     """vLLM's ``speculative_config.method`` for it."""
     build: Callable
-    """(head, target, verifier, k) -> (config dict, tensors)."""
+    """(head, target, verifier, k) -> (config dict, tensors, extra files {name: bytes})."""
+    expected: Callable | None = None
+    """config -> {weight name: (shape, dtype or None)}; None = :func:`expected_shapes` of the format."""
 
 
 EXPORTS = {
@@ -317,6 +392,7 @@ EXPORTS = {
     "vllm-eagle": ExportFormat("eagle", "eagle", _vllm_eagle),
     "vllm-medusa": ExportFormat("medusa", "medusa", _vllm_medusa),
     "speculators": ExportFormat("eagle3", "eagle3", _speculators),
+    "vllm-dflash": ExportFormat("dflash", "dflash", _vllm_dflash, dflash_expected),
 }
 FORMATS = tuple(EXPORTS)
 
@@ -334,6 +410,6 @@ def export_head(head, fmt: str, out: str | os.PathLike, verifier: str | None = N
         raise DraftheadsError(f"--format {fmt} exports {spec.head_type} heads, but this head is {head.head_type}")
     if k < 1:
         raise DraftheadsError(f"--num-speculative-tokens {k} must be >= 1")
-    config, tensors = spec.build(head, target, verifier, k)
-    path = write_export(out, fmt, config, tensors, overwrite=overwrite, inputs=inputs)
+    config, tensors, files = spec.build(head, target, verifier, k)
+    path = write_export(out, fmt, config, tensors, overwrite=overwrite, inputs=inputs, files=files)
     return path, vllm_command(serve_target or verifier or "TARGET", path, fmt, k, config)

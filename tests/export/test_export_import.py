@@ -28,6 +28,14 @@ def heads(tiny_target):
         torch.nn.init.normal_(p, std=0.1)
     hs["medusa_shared"].token_map.copy_(torch.arange(40) * 5 + 1)
     hs["eagle3"].aux_scale.copy_(torch.tensor([2.0, 30.0, 700.0]))  # exports must fold it into fc
+    from dataclasses import replace
+
+    from draftheads.heads import DFlashHead
+
+    hs["dflash_vocab"] = DFlashHead(replace(hs["dflash"].config, draft_vocab_size=50, causal=True))
+    for p in hs["dflash_vocab"].parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    hs["dflash_vocab"].d2t.copy_(torch.arange(50) * 2)  # target id = i + d2t[i] = 3i
     return hs
 
 
@@ -38,6 +46,18 @@ def _logits(head, model, seed=0):
     w = model.get_output_embeddings().weight
     if head.head_type == "medusa":
         return head.logits(torch.randn(1, 3, h, generator=g), w)
+    if head.head_type == "dflash":
+        from draftheads.heads.dflash import block_attention_mask
+
+        c = head.config
+        with torch.no_grad():
+            feats = torch.randn(1, 7, len(c.target_layer_ids) * h, generator=g)
+            kv = head.context_kv(head.context(feats), torch.arange(7)[None])
+            block = head.block_inputs(torch.randn(1, 1, h, generator=g))
+            mask = block_attention_mask(torch.tensor([[6]]), torch.zeros(1, 7, dtype=torch.long), c.block_size,
+                                        c.causal)
+            out = head(block, torch.arange(6, 6 + c.block_size)[None], kv, mask)
+            return out @ head.projection(w).T
     emb, feat = torch.randn(1, 3, h, generator=g), torch.randn(1, 3, h, generator=g)
     pos = torch.arange(3)[None]
     with torch.no_grad():
@@ -54,6 +74,8 @@ def _logits(head, model, seed=0):
     ("eagle", "vllm-eagle", "eagle"),
     ("medusa", "vllm-medusa", "medusa"),
     ("medusa_shared", "vllm-medusa", "medusa"),
+    ("dflash", "vllm-dflash", "dflash"),
+    ("dflash_vocab", "vllm-dflash", "dflash"),
 ])
 def test_export_import_round_trip_identical_logits(heads, tiny_target, tiny_llama_dir, tmp_path, name, fmt, source):
     head = heads[name]
@@ -210,3 +232,41 @@ def test_imported_head_runs_in_engine(heads, tiny_target, tmp_path):
     spec = Engine(tiny_target.model, proposer=proposer, tree="small").generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, stop_at_eos=False))
     plain = Engine(tiny_target.model).generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, stop_at_eos=False))
     assert spec[0].token_ids == plain[0].token_ids and spec[0].metrics.drafts > 0
+
+
+def test_dflash_layer_ids_name_the_same_states_as_vllm(heads, tiny_target, tmp_path):
+    """Ours: HF hidden-state id i (the residual stream after i decoder layers). vLLM's
+    dflash_config.target_layer_ids: the output of decoder layer j (0-based), captured as aux id j + 1.
+    The export writes j = i - 1, and the state vLLM reads there is the one our engine reads."""
+    from draftheads.targets import decoder_parts, hidden_states
+
+    head = heads["dflash"]
+    out, _ = export_head(head, "vllm-dflash", tmp_path / "d", verifier="t", k=2)
+    cfg = json.loads((out / "config.json").read_text())
+    ids = list(head.config.target_layer_ids)
+    assert cfg["dflash_config"]["target_layer_ids"] == [i - 1 for i in ids]
+    model = tiny_target.model
+    _, layers, _ = decoder_parts(model)
+    seen = {}
+    hooks = [layers[j].register_forward_hook(lambda m, a, o, j=j: seen.__setitem__(j, o[0] if isinstance(o, tuple) else o))
+             for j in cfg["dflash_config"]["target_layer_ids"]]
+    x = torch.tensor([[5, 6, 7, 8, 9]])
+    try:
+        ours, _ = hidden_states(model, x, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    for i, j in zip(ids, cfg["dflash_config"]["target_layer_ids"]):
+        torch.testing.assert_close(ours[i], seen[j].reshape(ours[i].shape))
+
+
+def test_dflash_export_refuses_what_vllm_cannot_serve(heads, tmp_path):
+    with pytest.raises(DraftheadsError, match="at most block_size - 1"):
+        export_head(heads["dflash"], "vllm-dflash", tmp_path / "a", verifier="t", k=heads["dflash"].config.block_size)
+    from dataclasses import replace
+
+    from draftheads.heads import DFlashHead
+
+    windowed = DFlashHead(replace(heads["dflash"].config, sliding_window=4))
+    with pytest.raises(DraftheadsError, match="sliding-window"):
+        export_head(windowed, "vllm-dflash", tmp_path / "b", verifier="t", k=2)
