@@ -312,7 +312,9 @@ def cmd_bench(args) -> int:
     for flag in ("batch_repeats", "repeats", "max_new_tokens", "batch_tokens", "datagen_batch", "limit_per_domain"):
         _at_least(getattr(args, flag), "--" + flag.replace("_", "-"))
     tree = _one_tree(args.tree or DEFAULT_TREE)
-    heads = {name: check_drafter(getattr(args, name)) for name in ("medusa", "eagle", "eagle3") if getattr(args, name)}
+    from draftheads.heads import FAMILIES
+
+    heads = {name: check_drafter(getattr(args, name)) for name in FAMILIES if getattr(args, name)}
     check_writable_dir(args.out)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     res = {"command": "draftheads " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
@@ -511,9 +513,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="verify curve, proposer speeds, batch sweep and loss memory, side by side")
     _add_target_args(p)
-    p.add_argument("--medusa", default=None)
-    p.add_argument("--eagle", default=None)
-    p.add_argument("--eagle3", default=None)
+    from draftheads.heads import FAMILIES
+
+    for name in FAMILIES:  # each head given is timed in the tree mode asked for and as a chain of 3
+        p.add_argument(f"--{name}", default=None, help=f"a {name} head directory")
     p.add_argument("--prompts", default="bundled:eval")
     p.add_argument("--limit-per-domain", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=128)
