@@ -38,6 +38,7 @@ class Run:
         self.log = (root / "log.txt").open("a", encoding="utf-8")
         self.times_file = root / "stages.json"
         self.times = json.loads(self.times_file.read_text()) if self.times_file.is_file() else {}
+        self._stage, self._prior, self._t0, self._last_tick = None, 0.0, 0.0, 0.0
 
     def say(self, msg: str) -> None:
         line = f"[{time.strftime('%H:%M:%S')}] {msg}"
@@ -45,10 +46,21 @@ class Run:
         self.log.write(line + "\n")
         self.log.flush()
 
+    def _tick(self, name: str, force: bool = False) -> None:
+        """Record the running stage's wall time so far (with the time of earlier, interrupted runs of it),
+        at most once a minute, so a killed run loses at most a minute of its stage time."""
+        now = time.perf_counter()
+        if self._stage is None or (not force and now - self._last_tick < 60):
+            return
+        self._last_tick = now
+        self.times.setdefault("running", {})[name] = round(self._prior + now - self._t0, 1)
+        self.times_file.write_text(json.dumps(self.times, indent=2))
+
     def cmd(self, stage: str, argv: list[str]) -> None:
         self.say(f"=== {stage}: {' '.join(argv)}")
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
+            self._tick(self._stage or stage)
             if "it/s]" in line or "s/it]" in line:
                 continue  # progress bars
             sys.stdout.write(line)
@@ -63,11 +75,16 @@ class Run:
         if done.exists():
             self.say(f"=== {name}: reusing {done.relative_to(ROOT)} (--redo {name} to run it again)")
             return
-        t0 = time.perf_counter()
+        self._stage, self._prior = name, self.times.get("running", {}).get(name, 0.0)
+        self._t0 = self._last_tick = time.perf_counter()
+        if self._prior:
+            self.say(f"=== {name}: resuming; {self._prior:.0f} s of earlier, interrupted runs count towards it")
         fn()
-        self.times[name] = round(time.perf_counter() - t0, 1)
+        self.times[name] = round(self._prior + time.perf_counter() - self._t0, 1)
+        self.times.get("running", {}).pop(name, None)
+        self._stage = None
         self.times_file.write_text(json.dumps(self.times, indent=2))
-        self.say(f"=== {name}: done in {self.times[name]:.0f} s")
+        self.say(f"=== {name}: done in {self.times[name]:.0f} s (wall time over every run of the stage)")
 
 
 def plain_decode_rate(tokens: int = 64) -> float:
@@ -292,7 +309,7 @@ def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, benc
         "command": " ".join(["python scripts/reference_head.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d"),
         "machine_plain_tok_s": run.times.get("plain_tok_s"),
-        "stage_seconds": {k: v for k, v in run.times.items() if k != "plain_tok_s"},
+        "stage_seconds": {k: v for k, v in run.times.items() if k not in ("plain_tok_s", "running")},
         "data": feature_tokens(features),
         "val": {"accuracies": meta.get("val_accuracies"), "sim_tau": meta.get("val_sim_tau"),
                 "draft_vocab_coverage": meta.get("draft_vocab_coverage"),
