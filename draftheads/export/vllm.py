@@ -165,27 +165,25 @@ def speculators_config(head, verifier: str, verifier_arch: list[str], k: int) ->
 # ----------------------------------------------------------------------------- validation
 
 
-def expected_shapes(fmt: str, cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Exact key set with shapes and dtypes a format must contain, derived from its config."""
-    if fmt == "vllm-medusa":
-        h, v = cfg["hidden_size"], cfg.get("truncated_vocab_size") or cfg["vocab_size"]
-        out = {}
-        for i in range(cfg["num_heads"]):
-            for j in range(cfg["num_hidden_layers"]):
-                out[f"blocks.{i}.layers.{j}.weight"] = ((h, h), None)
-                out[f"blocks.{i}.layers.{j}.bias"] = ((h,), None)
-            if i == 0 or not cfg.get("original_lm_head"):
-                out[f"lm_heads.{i}.weight"] = ((v, h), None)
-        if cfg.get("truncated_vocab_size"):
-            out["token_map"] = ((v,), torch.int64)
-        return out
-    layer = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
+def medusa_expected(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    h, v = cfg["hidden_size"], cfg.get("truncated_vocab_size") or cfg["vocab_size"]
+    out = {}
+    for i in range(cfg["num_heads"]):
+        for j in range(cfg["num_hidden_layers"]):
+            out[f"blocks.{i}.layers.{j}.weight"] = ((h, h), None)
+            out[f"blocks.{i}.layers.{j}.bias"] = ((h,), None)
+        if i == 0 or not cfg.get("original_lm_head"):
+            out[f"lm_heads.{i}.weight"] = ((v, h), None)
+    if cfg.get("truncated_vocab_size"):
+        out["token_map"] = ((v,), torch.int64)
+    return out
+
+
+def _decoder_layer_expected(layer: dict, attn_in: int) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
     h, inter = layer["hidden_size"], layer["intermediate_size"]
     heads, kvh = layer["num_attention_heads"], layer["num_key_value_heads"]
     d = layer.get("head_dim") or h // heads
-    eagle3 = fmt in ("vllm-eagle3", "speculators")
-    attn_in = 2 * h if eagle3 else h
-    out = {
+    return {
         "layers.0.self_attn.q_proj.weight": ((heads * d, attn_in), None),
         "layers.0.self_attn.k_proj.weight": ((kvh * d, attn_in), None),
         "layers.0.self_attn.v_proj.weight": ((kvh * d, attn_in), None),
@@ -195,11 +193,18 @@ def expected_shapes(fmt: str, cfg: dict) -> dict[str, tuple[tuple[int, ...], tor
         "layers.0.mlp.down_proj.weight": ((h, inter), None),
         "layers.0.post_attention_layernorm.weight": ((h,), None),
     }
-    if not eagle3:
-        out["fc.weight"] = ((h, 2 * h), None)
-        return out
+
+
+def eagle_expected(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    h = cfg["hidden_size"]
+    return {**_decoder_layer_expected(cfg, h), "fc.weight": ((h, 2 * h), None)}
+
+
+def _eagle3_expected(cfg: dict, layer: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    h = layer["hidden_size"]
     vd, ht, vocab = cfg["draft_vocab_size"], cfg["target_hidden_size"], layer["vocab_size"]
-    out.update({
+    return {
+        **_decoder_layer_expected(layer, 2 * h),
         "fc.weight": ((h, 3 * ht), None),
         "layers.0.input_layernorm.weight": ((h,), None),
         "layers.0.hidden_norm.weight": ((h,), None),
@@ -207,35 +212,30 @@ def expected_shapes(fmt: str, cfg: dict) -> dict[str, tuple[tuple[int, ...], tor
         "lm_head.weight": ((vd, h), None),
         "d2t": ((vd,), torch.int64),
         "t2d": ((vocab,), torch.bool),
-    })
-    if fmt == "speculators":
-        out["embed_tokens.weight"] = ((vocab, h), None)
-    return out
+    }
 
 
-REQUIRED_CONFIG = {
-    "vllm-eagle3": ["architectures", "draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
-                    "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "hidden_act", "vocab_size"],
-    "vllm-eagle": ["architectures", "hidden_size", "intermediate_size", "num_attention_heads", "hidden_act"],
-    "vllm-medusa": ["model_type", "num_heads", "num_hidden_layers", "hidden_size", "vocab_size"],
-    "speculators": ["speculators_model_type", "speculators_config", "transformer_layer_config", "draft_vocab_size",
-                    "target_hidden_size"],
-    "vllm-dflash": ["architectures", "model_type", "dflash_config", "head_dim", "target_hidden_size", "vocab_size",
-                    "hidden_act", "num_hidden_layers"],
-}
+def eagle3_expected(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    return _eagle3_expected(cfg, cfg)
+
+
+def speculators_expected(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    layer = cfg["transformer_layer_config"]
+    return {**_eagle3_expected(cfg, layer), "embed_tokens.weight": ((layer["vocab_size"], layer["hidden_size"]), None)}
 
 
 def validate_export(path: str | os.PathLike, fmt: str) -> None:
     """Exact key set, shapes, dtypes and config fields; raises DraftheadsError naming the problem."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
-    missing_cfg = [k for k in REQUIRED_CONFIG[fmt] if k not in cfg]
+    spec = EXPORTS[fmt]
+    missing_cfg = [k for k in spec.required if k not in cfg]
     if missing_cfg:
         raise DraftheadsError(f"{path}/config.json lacks {missing_cfg} required by {fmt}")
     if fmt == "speculators" and "hidden_act" not in cfg["transformer_layer_config"]:
         raise DraftheadsError(f"{path}/config.json: transformer_layer_config lacks hidden_act (vLLM fails without it)")
     weights = load_file(str(path / "model.safetensors"))
-    want = EXPORTS[fmt].expected(cfg) if EXPORTS[fmt].expected else expected_shapes(fmt, cfg)
+    want = spec.expected(cfg)
     missing, extra = sorted(set(want) - set(weights)), sorted(set(weights) - set(want))
     if missing or extra:
         raise DraftheadsError(f"{path}: {fmt} weights missing {missing[:6]} and unexpected {extra[:6]}")
@@ -383,16 +383,26 @@ class ExportFormat:
     """vLLM's ``speculative_config.method`` for it."""
     build: Callable
     """(head, target, verifier, k) -> (config dict, tensors, extra files {name: bytes})."""
-    expected: Callable | None = None
-    """config -> {weight name: (shape, dtype or None)}; None = :func:`expected_shapes` of the format."""
+    expected: Callable
+    """config -> {weight name: (shape, dtype or None)}: the exact key set the format holds."""
+    required: tuple[str, ...]
+    """config fields vLLM needs."""
 
 
 EXPORTS = {
-    "vllm-eagle3": ExportFormat("eagle3", "eagle3", _vllm_eagle3),
-    "vllm-eagle": ExportFormat("eagle", "eagle", _vllm_eagle),
-    "vllm-medusa": ExportFormat("medusa", "medusa", _vllm_medusa),
-    "speculators": ExportFormat("eagle3", "eagle3", _speculators),
-    "vllm-dflash": ExportFormat("dflash", "dflash", _vllm_dflash, dflash_expected),
+    "vllm-eagle3": ExportFormat("eagle3", "eagle3", _vllm_eagle3, eagle3_expected, (
+        "architectures", "draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
+        "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "hidden_act", "vocab_size")),
+    "vllm-eagle": ExportFormat("eagle", "eagle", _vllm_eagle, eagle_expected, (
+        "architectures", "hidden_size", "intermediate_size", "num_attention_heads", "hidden_act")),
+    "vllm-medusa": ExportFormat("medusa", "medusa", _vllm_medusa, medusa_expected, (
+        "model_type", "num_heads", "num_hidden_layers", "hidden_size", "vocab_size")),
+    "speculators": ExportFormat("eagle3", "eagle3", _speculators, speculators_expected, (
+        "speculators_model_type", "speculators_config", "transformer_layer_config", "draft_vocab_size",
+        "target_hidden_size")),
+    "vllm-dflash": ExportFormat("dflash", "dflash", _vllm_dflash, dflash_expected, (
+        "architectures", "model_type", "dflash_config", "head_dim", "target_hidden_size", "vocab_size",
+        "hidden_act", "num_hidden_layers")),
 }
 FORMATS = tuple(EXPORTS)
 
