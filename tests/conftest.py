@@ -41,3 +41,23 @@ def _isolated_cache(tmp_path, monkeypatch, request):
     """Keep unit tests away from the user's cache; integration tests may share it."""
     if "integration" not in request.keywords:
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+
+
+# Lightning gives its logger a StreamHandler on the sys.stderr of the moment it is imported. Imported
+# inside a test, that is the test's captured stream, closed afterwards, and every later test that logs
+# through Lightning prints "Logging error" tracebacks: import it here, under the session's capture.
+import lightning.pytorch  # noqa: E402, F401
+
+
+@pytest.fixture(autouse=True)
+def _no_stale_log_handlers():
+    """A CLI called in a test binds logging.basicConfig's handler to that test's captured stderr, which
+    is closed afterwards: drop handlers a test added, so later tests do not log into a closed stream."""
+    import logging
+
+    root = logging.getLogger()
+    before = list(root.handlers)
+    yield
+    for h in root.handlers[:]:
+        if h not in before:
+            root.removeHandler(h)
