@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 
 from draftheads.errors import DraftheadsError
+from draftheads.utils import read_utf8
 
 DOMAINS = ("chat", "code", "math", "summarization", "translation", "qa", "rag")
 BUNDLED_SPLITS = ("train", "eval")
@@ -123,11 +124,7 @@ def read_prompts(path: str | os.PathLike) -> list[Prompt]:
     if not path.is_file():
         raise DraftheadsError(f"prompts file {str(path)!r} does not exist: check the path")
     prompts: list[Prompt] = []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DraftheadsError(f"prompts file {str(path)!r} is not UTF-8 text (byte {e.start}): save it as UTF-8 "
-                              "jsonl") from None
+    text = read_utf8(path, "prompts file")
     for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue

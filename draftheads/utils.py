@@ -195,6 +195,15 @@ def exclusive(path: str | os.PathLike, flag: str = "--out") -> Iterator[None]:
         f.close()
 
 
+def read_utf8(path: str | os.PathLike, what: str) -> str:
+    """The text of a user's file, or one error naming it (``what``: e.g. "prompts file") when it is not UTF-8."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DraftheadsError(f"{what} {str(path)!r} is not UTF-8 text (byte {e.start}): save it as UTF-8 "
+                              "jsonl") from None
+
+
 def read_jsonl_prefix(path: str | os.PathLike) -> list[dict]:
     """The records of a jsonl file being appended to. A torn last line (a crash mid-write) is dropped
     with a warning; a bad line before the last means the file was damaged otherwise, and is refused."""

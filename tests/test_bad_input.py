@@ -54,6 +54,24 @@ def _head_copy(env, d: Path, kind: str = "eagle3", edit=None, weights=None) -> P
     return d
 
 
+def _not_json(head: Path) -> Path:
+    (head / "config.json").write_text("{not json")
+    return head
+
+
+def _files(root: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _check_one_error_line(rc, err: list[str], expected: str, before: dict[Path, bytes]) -> None:
+    """Status 2, exactly one ``error:`` line holding ``expected``, and every file of ``before`` unchanged."""
+    assert rc == 2, f"exit status {rc}: {err[-5:]}"
+    assert len(err) == 1 and err[0].startswith("error: "), err[-8:]
+    assert expected in err[0], err[0]
+    lost = [str(p) for p, data in before.items() if not p.is_file() or p.read_bytes() != data]
+    assert not lost, f"files lost or changed: {lost}"
+
+
 def _flip_header(data: bytes) -> bytes:
     n = struct.unpack("<Q", data[:8])[0]
     return data[:8] + data[8: 8 + n].replace(b'"shape"', b'"shqpe"', 1) + data[8 + n:]
@@ -118,7 +136,7 @@ CASES = [
      GEN + ["--head", "{h}"], "model.safetensors"),
     ("head-empty-weights", lambda e, d: {"h": _head_copy(e, d / "h", weights=lambda b: b"")},
      GEN + ["--head", "{h}"], "model.safetensors"),
-    ("head-config-not-json", lambda e, d: {"h": _head_copy(e, d / "h")},
+    ("head-config-not-json", lambda e, d: {"h": _not_json(_head_copy(e, d / "h"))},
      GEN + ["--head", "{h}"], "config.json"),
     ("head-missing-field", lambda e, d: {"h": _head_copy(e, d / "h", edit=_set("config.draft_vocab_size", KeyError))},
      GEN + ["--head", "{h}"], "draft_vocab_size"),
@@ -215,23 +233,17 @@ def test_bad_input_is_one_error_line(env, tmp_path, monkeypatch, capsys, name, s
     monkeypatch.chdir(tmp_path)
     case = tmp_path / "case"
     names = {k: str(v) for k, v in env.items()} | {k: str(v) for k, v in setup(env, case).items()}
-    if name == "head-config-not-json":
-        (Path(names["h"]) / "config.json").write_text("{not json")
     args = [a.format(**names) for a in argv]
     if args[0] not in _NO_TARGET and "--target" not in args:
         args[1:1] = ["--target", names["target"]]
-    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    before = _files(tmp_path)
     try:
         rc = main(args)
     except SystemExit as e:  # argparse
         rc = e.code
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2, f"exit status {rc}: {err}"
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    assert expected in err[0], err[0]
+    _check_one_error_line(rc, err, expected, before)
     assert "Traceback" not in err[0] and "usage:" not in err[0]
-    lost = [str(p) for p, data in before.items() if not p.is_file() or p.read_bytes() != data]
-    assert not lost, f"files lost or changed: {lost}"
 
 
 # ----------------------------------------------------------------------------- train-head
@@ -316,11 +328,7 @@ def test_train_head_bad_input_is_one_error_line(train_env, tmp_path, monkeypatch
 
     monkeypatch.chdir(tmp_path)
     args = ["fit", "--config", str(train_env["config"]), *extra(train_env, tmp_path / "case")]
-    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    before = _files(tmp_path)
     rc = train_main(args)
     err = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.strip()]
-    assert rc == 2, f"exit status {rc}: {err[-5:]}"
-    assert len(err) == 1 and err[0].startswith("error: "), err[-8:]
-    assert expected in err[0], err[0]
-    lost = [str(p) for p, data in before.items() if not p.is_file() or p.read_bytes() != data]
-    assert not lost, f"files lost or changed: {lost}"
+    _check_one_error_line(rc, err, expected, before)

@@ -30,7 +30,7 @@ import torch
 
 from draftheads.errors import DraftheadsError
 from draftheads.prompts import render_chat
-from draftheads.utils import cache_dir, file_sha256
+from draftheads.utils import cache_dir, file_sha256, read_utf8
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +88,7 @@ def read_records(path: str | os.PathLike) -> list[list[dict] | str]:
     path = Path(path)
     if not path.is_file():
         raise DraftheadsError(f"training file {str(path)!r} does not exist: check data.train_files")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DraftheadsError(f"training file {str(path)!r} is not UTF-8 text (byte {e.start}): save it as UTF-8 "
-                              "jsonl") from None
+    text = read_utf8(path, "training file")
     out = []
     for n, line in enumerate(text.split("\n"), 1):
         if line.strip():

@@ -76,3 +76,34 @@ class Proposer:
 
     def finish(self, state: RequestState) -> None:
         """The request is done; drop its state."""
+
+
+class FollowingProposer(Proposer):
+    """A proposer that keeps, per request, the target's hidden states of committed tokens as they arrive
+    and works on them only when a draft is asked for (:meth:`take_pending`), so plain steps cost nothing
+    and drafting after a plain stretch catches up in one forward. Subclasses set ``state_type``, a
+    dataclass with a ``pending`` list."""
+
+    state_type: type
+
+    def __init__(self):
+        self.states: dict = {}
+
+    def start(self, st: RequestState, hidden: dict[int, torch.Tensor]) -> None:
+        self.states[st.rid] = self.state_type(pending=[hidden])
+
+    def observe(self, st: RequestState, hidden: dict[int, torch.Tensor], num_new: int) -> None:
+        self.states[st.rid].pending.append(hidden)
+
+    def finish(self, st: RequestState) -> None:
+        self.states.pop(st.rid, None)
+
+    def take_pending(self, st: RequestState) -> dict[int, torch.Tensor] | None:
+        """The hidden states [n, H] per layer id that arrived since the last draft (None if none), cleared."""
+        state = self.states[st.rid]
+        if not state.pending:
+            return None
+        hidden = {i: torch.cat([h[i] for h in state.pending]) for i in state.pending[0]}
+        state.pending = []
+        return hidden
+

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftheads.errors import DraftheadsError
-from draftheads.inference.proposers.base import Proposer, RequestState
+from draftheads.inference.proposers.base import FollowingProposer, RequestState
 from draftheads.inference.proposers.draft_tree import Node, select_tree
 from draftheads.inference.tree import Tree, TreeSpec
 
@@ -35,16 +35,17 @@ class BlockState:
         return 0 if self.kv is None else self.kv[0][0].shape[2]
 
 
-class DFlashProposer(Proposer):
+class DFlashProposer(FollowingProposer):
     name = "dflash"
     auto_trees = ("chain3", "chain7", "small", "medium")
+    state_type = BlockState
 
     def __init__(self, head, target):
+        super().__init__()
         self.head = head.eval()
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings().weight
         self.layer_ids = tuple(head.config.target_layer_ids)
-        self.states: dict[int, BlockState] = {}
 
     def check_tree(self, tree: TreeSpec) -> None:
         super().check_tree(tree)
@@ -53,25 +54,16 @@ class DFlashProposer(Proposer):
                                   f"{self.head.config.drafts_per_block} positions per block: use a depth <= "
                                   f"{self.head.config.drafts_per_block}")
 
-    # -- following the committed sequence ------------------------------------
-
-    def start(self, st: RequestState, hidden: dict[int, torch.Tensor]) -> None:
-        self.states[st.rid] = BlockState(pending=[hidden])
-
-    def observe(self, st: RequestState, hidden: dict[int, torch.Tensor], num_new: int) -> None:
-        self.states[st.rid].pending.append(hidden)
-
-    def finish(self, st: RequestState) -> None:
-        self.states.pop(st.rid, None)
+    # -- following the committed sequence (FollowingProposer keeps the hidden states) ---------------
 
     @torch.no_grad()
     def _catch_up(self, st: RequestState) -> BlockState:
         bs = self.states[st.rid]
-        if not bs.pending:
+        hidden = self.take_pending(st)
+        if hidden is None:
             return bs
         dtype = self.head.fc.weight.dtype
-        feats = torch.cat([torch.cat([h[i] for h in bs.pending]).to(dtype) for i in self.layer_ids], -1)[None]
-        bs.pending = []
+        feats = torch.cat([hidden[i].to(dtype) for i in self.layer_ids], -1)[None]
         first = bs.length
         assert first + feats.shape[1] == st.kv_len, (first, feats.shape[1], st.kv_len)
         pos = torch.arange(first, st.kv_len, device=feats.device)[None]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftheads.inference.proposers.base import Proposer, RequestState
+from draftheads.inference.proposers.base import FollowingProposer, RequestState
 from draftheads.inference.tree import Tree, TreeSpec
 
 
@@ -44,14 +44,16 @@ class Node:
     entry: int = -1  # index among the step's tree entries
 
 
-class DraftTreeProposer(Proposer):
+class DraftTreeProposer(FollowingProposer):
     """Subclasses define ``entry_features`` (target hidden states -> draft features) and ``step``
     (one draft forward) plus ``log_probs`` and ``to_target_ids``."""
 
+    state_type = DraftState
+
     def __init__(self, head, embed: torch.nn.Module):
+        super().__init__()
         self.head = head.eval()
         self.embed = embed
-        self.states: dict[int, DraftState] = {}
 
     # -- subclass interface ------------------------------------------------
 
@@ -70,18 +72,14 @@ class DraftTreeProposer(Proposer):
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return ids
 
-    # -- following the committed sequence ------------------------------------
-    # The target's hidden states of committed tokens are kept as they arrive; the draft model runs over
-    # them (one forward for all that arrived since the last draft) only when a draft is asked for, so
-    # plain steps cost nothing and drafting after a plain stretch catches up in one forward.
+    # -- following the committed sequence (FollowingProposer keeps the hidden states) ---------------
 
     @torch.no_grad()
     def _catch_up(self, st: RequestState) -> DraftState:
         ds = self.states[st.rid]
-        if not ds.pending:
+        hidden = self.take_pending(st)
+        if hidden is None:
             return ds
-        hidden = {i: torch.cat([h[i] for h in ds.pending]) for i in ds.pending[0]}
-        ds.pending = []
         first_pos = ds.length
         feats = self.entry_features(hidden)[None]  # [1, n, H]
         n = feats.shape[1]
@@ -97,15 +95,6 @@ class DraftTreeProposer(Proposer):
         ds.last_out = out[0, -1]
         ds.last_logp = self.log_probs(out[0, -1:])[0]
         return ds
-
-    def start(self, st: RequestState, hidden: dict[int, torch.Tensor]) -> None:
-        self.states[st.rid] = DraftState(pending=[hidden])
-
-    def observe(self, st: RequestState, hidden: dict[int, torch.Tensor], num_new: int) -> None:
-        self.states[st.rid].pending.append(hidden)
-
-    def finish(self, st: RequestState) -> None:
-        self.states.pop(st.rid, None)
 
     # -- drafting ------------------------------------------------------------
 
