@@ -466,7 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="export a head in a format vLLM loads unchanged",
                        description="Formats: vllm-eagle3, speculators (eagle3), vllm-eagle (EAGLE-1, Llama targets), "
                                    "vllm-medusa (vLLM <= 0.32 only: vLLM 0.33 removed Medusa; served as a top-1 chain), "
-                                   "vllm-dflash (block drafter; serve with num_speculative_tokens <= block_size - 1).")
+                                   "vllm-dflash (block drafter; serve with num_speculative_tokens <= block_size - 1), "
+                                   "vllm-dspark (DFlash plus Markov and confidence heads; vLLM's V2 model runner).")
     p.add_argument("--head", required=True)
     from draftheads.export.vllm import FORMATS
 
@@ -480,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("import", help="import a public Medusa / EAGLE / EAGLE-3 / speculators checkpoint")
+    p = sub.add_parser("import", help="import a public Medusa / EAGLE / EAGLE-3 / speculators / DFlash / DSpark checkpoint")
     from draftheads.export.imports import SOURCES
 
     p.add_argument("--from", dest="source", required=True, choices=list(SOURCES))

@@ -82,10 +82,12 @@ def save_tiny_llama(out: str | Path, seed: int = 0, chat_template: bool = True, 
 
 
 def random_heads(model, seed: int = 0, draft_vocab_size: int = 64) -> dict:
-    """Randomly initialised Medusa, EAGLE-1, EAGLE-3 and DFlash heads shaped for ``model``."""
+    """Randomly initialised Medusa, EAGLE-1, EAGLE-3, DFlash and DSpark heads shaped for ``model``."""
     from draftheads.heads import (
         DFlashConfig,
         DFlashHead,
+        DSparkConfig,
+        DSparkHead,
         Eagle3Config,
         Eagle3Head,
         EagleConfig,
@@ -108,6 +110,8 @@ def random_heads(model, seed: int = 0, draft_vocab_size: int = 64) -> dict:
                                           aux_layer_ids=(1, n // 2, n - 1), target_hidden_size=cfg.hidden_size)),
         "dflash": DFlashHead(DFlashConfig(layer=spec, vocab_size=vocab, target_layer_ids=(1, n - 1), mask_token_id=0,
                                           block_size=5, num_layers=2)),
+        "dspark": DSparkHead(DSparkConfig(layer=spec, vocab_size=vocab, target_layer_ids=(1, n - 1), mask_token_id=0,
+                                          block_size=4, num_layers=1, markov_rank=8)),
     }
     for head in heads.values():
         for p in head.parameters():

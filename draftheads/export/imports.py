@@ -9,6 +9,9 @@ Sources (``--from``):
 * ``eagle3``: SafeAILab EAGLE-3 (``midlayer.*`` or ``layers.0.*``, ``fc``, ``norm``, ``lm_head``, ``d2t``,
   ``t2d``; Llama config with ``draft_vocab_size``).
 * ``speculators``: vllm-project/speculators eagle3 (``transformer_layer_config``).
+* ``dflash``: the HF layout of vLLM's ``DFlashDraftModel`` (z-lab's), optional ``mask_embedding.pt``.
+* ``dspark``: vLLM's ``Qwen3DSparkModel`` layout (the DFlash one plus ``markov_head.*`` and
+  ``confidence_head.*``).
 
 Weights load from safetensors, or from legacy ``.pt``/``.bin`` only through
 ``torch.load(weights_only=True)``.
@@ -28,6 +31,8 @@ from draftheads.errors import DraftheadsError
 from draftheads.heads import (
     DFlashConfig,
     DFlashHead,
+    DSparkConfig,
+    DSparkHead,
     Eagle3Config,
     Eagle3Head,
     EagleConfig,
@@ -39,7 +44,7 @@ from draftheads.heads import (
 )
 from draftheads.utils import load_safetensors
 
-SOURCES = ("medusa", "eagle", "eagle3", "speculators", "dflash")
+SOURCES = ("medusa", "eagle", "eagle3", "speculators", "dflash", "dspark")
 _WEIGHT_FILES = ("model.safetensors", "medusa_lm_head.safetensors", "pytorch_model.bin", "medusa_lm_head.pt",
                  "model.pt", "pytorch_model.pt")
 
@@ -233,26 +238,42 @@ def import_speculators(src: Path, target_layers: int | None = None) -> Eagle3Hea
                         cfg.get("norm_before_residual", False), src)
 
 
+def _block_config(cfg: dict, w: dict, src: Path) -> dict:
+    """DFlashConfig fields of a DFlash-layout config (DSpark's too)."""
+    dcfg = cfg.get("dflash_config") or {}
+    if cfg.get("layer_types") and any(t != "full_attention" for t in cfg["layer_types"]):
+        raise DraftheadsError(f"{src}: sliding-window block-drafter layers are not supported: import a full-attention head")
+    ids = dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))
+    mask = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
+    if ids is None or mask is None:
+        raise DraftheadsError(f"{src}/config.json lacks target_layer_ids or mask_token_id (in dflash_config or at "
+                              "the top level)")
+    return dict(
+        layer=_layer_spec(cfg), vocab_size=cfg["vocab_size"], target_layer_ids=tuple(i + 1 for i in ids),
+        mask_token_id=mask, num_layers=cfg["num_hidden_layers"], block_size=int(cfg.get("block_size") or 16),
+        target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
+        draft_vocab_size=cfg.get("draft_vocab_size") if "lm_head.weight" in w else None,
+        causal=bool(cfg.get("is_causal", dcfg.get("causal", False))),
+    )
+
+
+def _block_state(head, w: dict) -> dict:
+    state = {k: v for k, v in w.items() if not k.startswith(("embed_tokens.", "t2d"))}
+    if "lm_head.weight" in state and head.config.draft_vocab_size is None:
+        state.pop("lm_head.weight")  # a full-vocabulary copy of the target's lm_head: the target's is used
+    return state
+
+
 def import_dflash(src: Path) -> DFlashHead:
     """The HF layout vLLM's ``DFlashDraftModel`` loads (z-lab's): ``dflash_config.target_layer_ids`` count
     decoder-layer outputs from 0 (HF hidden-state id = id + 1); a ``mask_embedding.pt`` beside the weights
     (a tensor, or ``{"embedding": ...}``) is the learned mask, else the target's row of the mask token is
     used when the head runs (it starts as zeros here: import with the target's embedding row to match)."""
     w, cfg = load_weights(src), _config(src)
-    dcfg = cfg["dflash_config"]
-    if cfg.get("layer_types") and any(t != "full_attention" for t in cfg["layer_types"]):
-        raise DraftheadsError(f"{src}: sliding-window DFlash layers are not supported: import a full-attention head")
-    head = DFlashHead(DFlashConfig(
-        layer=_layer_spec(cfg), vocab_size=cfg["vocab_size"],
-        target_layer_ids=tuple(i + 1 for i in dcfg["target_layer_ids"]), mask_token_id=dcfg["mask_token_id"],
-        num_layers=cfg["num_hidden_layers"], block_size=int(cfg.get("block_size") or 16),
-        target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
-        draft_vocab_size=cfg.get("draft_vocab_size") if "lm_head.weight" in w else None,
-        causal=bool(cfg.get("is_causal", dcfg.get("causal", False))),
-    ))
-    state = {k: v for k, v in w.items() if not k.startswith(("embed_tokens.", "t2d"))}
-    if "lm_head.weight" in state and head.config.draft_vocab_size is None:
-        state.pop("lm_head.weight")  # a full-vocabulary copy of the target's lm_head: the target's is used
+    if "markov_rank" in cfg:
+        raise DraftheadsError(f"{src} is a DSpark checkpoint (markov_rank {cfg['markov_rank']}): import it --from dspark")
+    head = DFlashHead(DFlashConfig(**_block_config(cfg, w, src)))
+    state = _block_state(head, w)
     folder = src if src.is_dir() else src.parent
     mask = folder / "mask_embedding.pt"
     if mask.is_file():
@@ -261,6 +282,26 @@ def import_dflash(src: Path) -> DFlashHead:
     else:
         state["mask_embedding"] = torch.zeros(head.config.hidden_size)
     _load_strict(head, state, src)
+    return head
+
+
+def import_dspark(src: Path) -> DSparkHead:
+    """vLLM's ``Qwen3DSparkModel`` layout: target layers and the mask token in ``dflash_config`` or at the top
+    level (0-based, as for DFlash); ``enable_confidence_head`` needs the ``confidence_head.*`` weights."""
+    w, cfg = load_weights(src), _config(src)
+    if "markov_rank" not in cfg:
+        raise DraftheadsError(f"{src}/config.json has no markov_rank: a DFlash checkpoint has no Markov or confidence "
+                              "head; import it --from dflash")
+    conf = bool(cfg.get("enable_confidence_head", False))
+    if conf and "confidence_head.proj.weight" not in w:
+        raise DraftheadsError(f"{src}: enable_confidence_head is true but the checkpoint has no confidence_head "
+                              "weights: set it false in config.json, or use a checkpoint trained with one")
+    with_markov = bool(cfg.get("confidence_head_with_markov", False))
+    head = DSparkHead(DSparkConfig(
+        **_block_config(cfg, w, src), markov_rank=int(cfg["markov_rank"]), confidence_head=conf,
+        confidence_with_markov=conf and with_markov, sample_from_anchor=bool(cfg.get("sample_from_anchor", True)),
+    ))
+    _load_strict(head, _block_state(head, w), src)
     return head
 
 
@@ -277,6 +318,7 @@ def import_checkpoint(source: str, src: str | os.PathLike, out: str | os.PathLik
         "eagle3": lambda: import_eagle3(src, target_layers),
         "speculators": lambda: import_speculators(src, target_layers),
         "dflash": lambda: import_dflash(src),
+        "dspark": lambda: import_dspark(src),
     }[source]()
     save_head(head, out, {"imported_from": {"source": source, "path": str(src)}}, overwrite=overwrite, inputs=(src,))
     return head

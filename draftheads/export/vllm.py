@@ -14,6 +14,12 @@ Formats:
   ``fc``, ``hidden_norm``, ``layers.{i}.*`` (with ``q_norm``/``k_norm``), ``norm``, optional ``lm_head``
   + ``d2t``; embeddings and a full-vocabulary lm_head are shared with the target; the learned mask
   embedding goes to ``mask_embedding.pt``, which vLLM puts in place of the mask token's row.
+* ``vllm-dspark``: vLLM's ``Qwen3DSparkModel``: the DFlash layout plus ``markov_head.markov_w1`` [V, r]
+  (indexed by the previous target id), ``markov_head.markov_w2`` [V', r], optional
+  ``confidence_head.proj``; top-level ``markov_rank``, ``block_size``, ``sample_from_anchor``,
+  ``enable_confidence_head``, ``confidence_head_with_markov``. The mask slots are the target's row of
+  ``mask_token_id`` (vLLM's DSpark has no mask embedding). vLLM 0.32 runs DSpark on its V2 model
+  runner only.
 """
 
 from __future__ import annotations
@@ -375,6 +381,37 @@ def _vllm_dflash(head, target, verifier, k):
     return dflash_config(head), dflash_tensors(head), {MASK_EMBEDDING_FILE: buf.getvalue()}
 
 
+def dspark_config(head) -> dict:
+    c = head.config
+    if not c.markov_rank:
+        raise DraftheadsError("vllm-dspark needs a Markov head (vLLM reads markov_rank): this head has markov_rank 0")
+    cfg = dflash_config(head)
+    cfg.update({
+        "architectures": ["Qwen3DSparkModel"], "mask_token_id": c.mask_token_id, "markov_rank": c.markov_rank,
+        "sample_from_anchor": bool(c.sample_from_anchor), "enable_confidence_head": bool(c.confidence_head),
+        "confidence_head_with_markov": bool(c.confidence_head and c.confidence_with_markov),
+    })
+    return cfg
+
+
+def dspark_expected(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    out = dflash_expected(cfg)
+    r, h = cfg["markov_rank"], cfg["hidden_size"]
+    out["markov_head.markov_w1.weight"] = ((cfg["vocab_size"], r), None)
+    out["markov_head.markov_w2.weight"] = ((cfg.get("draft_vocab_size") or cfg["vocab_size"], r), None)
+    if cfg.get("enable_confidence_head"):
+        out["confidence_head.proj.weight"] = ((1, h + (r if cfg.get("confidence_head_with_markov") else 0)), None)
+        out["confidence_head.proj.bias"] = ((1,), None)
+    return out
+
+
+def _vllm_dspark(head, target, verifier, k):
+    if k > head.config.drafts_per_block:
+        raise DraftheadsError(f"--num-speculative-tokens {k} is more than this dspark head drafts per block "
+                              f"({head.config.drafts_per_block})")
+    return dspark_config(head), dflash_tensors(head), {}
+
+
 @dataclass(frozen=True)
 class ExportFormat:
     head_type: str
@@ -402,6 +439,10 @@ EXPORTS = {
         "target_hidden_size")),
     "vllm-dflash": ExportFormat("dflash", "dflash", _vllm_dflash, dflash_expected, (
         "architectures", "model_type", "dflash_config", "head_dim", "target_hidden_size", "vocab_size",
+        "hidden_act", "num_hidden_layers")),
+    "vllm-dspark": ExportFormat("dspark", "dspark", _vllm_dspark, dspark_expected, (
+        "architectures", "model_type", "dflash_config", "mask_token_id", "markov_rank", "block_size",
+        "sample_from_anchor", "enable_confidence_head", "head_dim", "target_hidden_size", "vocab_size",
         "hidden_act", "num_hidden_layers")),
 }
 FORMATS = tuple(EXPORTS)

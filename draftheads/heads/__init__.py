@@ -16,6 +16,7 @@ from draftheads.heads.base import (
     save_head_dir,
 )
 from draftheads.heads.dflash import DFlashConfig, DFlashHead, default_target_layer_ids
+from draftheads.heads.dspark import DSparkConfig, DSparkHead
 from draftheads.heads.eagle import EagleConfig, EagleHead
 from draftheads.heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
 from draftheads.heads.layers import LayerSpec
@@ -59,6 +60,8 @@ FAMILIES = {
                          _eagle3_layers),
     "dflash": HeadFamily(DFlashConfig, DFlashHead, "draftheads.inference.proposers.dflash:DFlashProposer",
                          _dflash_layers),
+    "dspark": HeadFamily(DSparkConfig, DSparkHead, "draftheads.inference.proposers.dspark:DSparkProposer",
+                         _dflash_layers),
 }
 
 
@@ -68,7 +71,7 @@ def family(head_type: str) -> HeadFamily:
     return FAMILIES[head_type]
 
 __all__ = [
-    "FAMILIES", "HeadFamily", "DFlashConfig", "DFlashHead", "family", "EagleConfig", "EagleHead", "Eagle3Config", "Eagle3Head", "LayerSpec", "MedusaConfig",
+    "FAMILIES", "HeadFamily", "DFlashConfig", "DFlashHead", "DSparkConfig", "DSparkHead", "family", "EagleConfig", "EagleHead", "Eagle3Config", "Eagle3Head", "LayerSpec", "MedusaConfig",
     "MedusaHeads", "default_aux_layer_ids", "load_head", "save_head", "check_head_fits_target",
 ]
 

@@ -94,8 +94,14 @@ class DFlashConfig:
         return self.layer.hidden_size
 
     @property
+    def first_draft_slot(self) -> int:
+        """Block slot whose output is the first draft; slot k then predicts position P + k + (1 - this).
+        DFlash: 1 (the anchor's own output is unused)."""
+        return 1
+
+    @property
     def drafts_per_block(self) -> int:
-        return self.block_size - 1
+        return self.block_size - self.first_draft_slot
 
 
 class BlockAttention(nn.Module):
@@ -149,6 +155,7 @@ class BlockLayer(nn.Module):
 
 class DFlashHead(nn.Module):
     head_type = "dflash"
+    config_type = DFlashConfig
 
     def __init__(self, config: DFlashConfig):
         super().__init__()

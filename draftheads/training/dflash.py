@@ -13,17 +13,44 @@ by the batch in validation (epochs are compared on the same blocks); ``val/acc_k
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from draftheads.errors import DraftheadsError
-from draftheads.heads import DFlashConfig, DFlashHead, LayerSpec
+from draftheads.heads import DFlashHead, LayerSpec
 from draftheads.heads.dflash import block_attention_mask, default_target_layer_ids
 from draftheads.targets import check_layer_ids
 from draftheads.training.losses import linear_argmax, linear_cross_entropy, linear_kl
 from draftheads.training.module import DraftHeadModule
 
 LOSSES = ("kl", "ce")
+
+
+def position_weight(j: int, block_size: int) -> float:
+    """Weight of the j-th draft of a block (1-based): exp(-(j - 1) / block_size)."""
+    return math.exp(-(j - 1) / block_size)
+
+
+@dataclass
+class Blocks:
+    """One step's blocks: head outputs and, per slot, the row position it predicts."""
+
+    out: torch.Tensor  # [B, N, blk, H] normed head outputs
+    pred: torch.Tensor  # [B, N, blk] row position each slot predicts (clamped inside the row)
+    valid: torch.Tensor  # [B, N, blk] bool: the slot drafts and its position is a trained token of the anchor's document
+    last: torch.Tensor  # [B, T, H_target] the target's final hidden states (its distribution at t predicts t + 1)
+    argmax: torch.Tensor  # [B, T] the target's greedy next token at each position
+
+    @staticmethod
+    def draft_slots(cfg) -> list[tuple[int, int]]:
+        """(draft index j from 1, block slot k) of every drafting slot."""
+        return [(k - cfg.first_draft_slot + 1, k) for k in range(cfg.first_draft_slot, cfg.block_size)]
+
+    def rows(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Slot k's valid blocks: head outputs [n, H], their batch rows [n] and predicted positions [n]."""
+        m = self.valid[:, :, k]
+        return self.out[:, :, k][m], torch.nonzero(m)[:, 0], self.pred[:, :, k][m]
 
 
 def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, n: int, generator=None) -> torch.Tensor:
@@ -44,6 +71,7 @@ def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, n: int, gener
 
 class DFlashModule(DraftHeadModule):
     head_type = "dflash"
+    head_class = DFlashHead
 
     def __init__(
         self,
@@ -86,14 +114,19 @@ class DFlashModule(DraftHeadModule):
         ids = tuple(hp.target_layer_ids) if hp.target_layer_ids else default_target_layer_ids(info.num_layers)
         check_layer_ids(ids, info.num_layers - 1, "model.target_layer_ids")
         mask_id = self._mask_token_id(info, datamodule)
-        head = DFlashHead(DFlashConfig(
+        head = self.head_class(self.head_class.config_type(
             layer=LayerSpec.from_hf_config(self.target.config), vocab_size=info.vocab_size, target_layer_ids=ids,
             mask_token_id=mask_id, num_layers=hp.num_layers, block_size=hp.block_size,
             target_hidden_size=info.hidden_size, causal=hp.causal, sliding_window=hp.sliding_window,
+            **self.extra_config(),
         ))
         with torch.no_grad():  # start the mask where the token it stands for sits
             head.mask_embedding.copy_(self.target.get_input_embeddings().weight[mask_id].float())
         return head
+
+    def extra_config(self) -> dict:
+        """Config fields of a subclass's head beyond DFlash's."""
+        return {}
 
     def _mask_token_id(self, info, datamodule) -> int:
         """The given id, checked against the data, or the last special token the data never uses."""
@@ -116,11 +149,11 @@ class DFlashModule(DraftHeadModule):
                                   "to an id the training data never uses")
         return free[-1]
 
-    def compute_loss(self, batch):
+    def block_forward(self, batch) -> Blocks:
+        """The step's anchors drawn and all their blocks run in one head forward."""
         cfg = self.head.config
         n = self.info.num_layers
         feats = self.features(batch, sorted(set(cfg.target_layer_ids) | {n}))
-        last = feats[n]
         ids, pos, docs = batch["input_ids"], batch["position_ids"], batch["doc_ids"]
         # training: a function of the step (resumes draw the same blocks); validation: of the batch (every
         # epoch is measured on the same blocks)
@@ -138,34 +171,39 @@ class DFlashModule(DraftHeadModule):
         mask = block_attention_mask(anchors, docs, blk, cfg.causal, cfg.sliding_window)
         out = self.head(block, qpos, kv, mask).view(bsz, -1, blk, ctx.shape[-1])  # [B, N, blk, H]
 
-        at = a[:, :, None] + offsets  # [B, N, blk] row positions of the block's tokens
-        inside = (anchors[:, :, None] >= 0) & (at < t)
-        at = at.clamp(max=t - 1)
-        same_doc = docs.gather(1, at.flatten(1)).view_as(at) == docs.gather(1, a)[:, :, None]
-        trained = batch["loss_mask"].gather(1, at.flatten(1)).view_as(at).bool()
+        pred = a[:, :, None] + offsets + (1 - cfg.first_draft_slot)  # [B, N, blk] row position each slot predicts
+        inside = (anchors[:, :, None] >= 0) & (pred < t)
+        pred = pred.clamp(max=t - 1)
+        same_doc = docs.gather(1, pred.flatten(1)).view_as(pred) == docs.gather(1, a)[:, :, None]
+        trained = batch["loss_mask"].gather(1, pred.flatten(1)).view_as(pred).bool()
         valid = inside & same_doc & trained
-        w_student = self.head.projection(self.lm_head_weight).to(out.dtype)
-        w_teacher = self.lm_head_weight.to(last.dtype)
-        argmax = self.target_argmax(batch, last)
-        total = out.new_zeros((), dtype=torch.float32)
+        valid[:, :, : cfg.first_draft_slot] = False
+        return Blocks(out, pred, valid, feats[n], self.target_argmax(batch, feats[n]))
+
+    def compute_loss(self, batch):
+        cfg = self.head.config
+        b = self.block_forward(batch)
+        ids = batch["input_ids"]
+        w_student = self.head.projection(self.lm_head_weight).to(b.out.dtype)
+        w_teacher = self.lm_head_weight.to(b.last.dtype)
+        total = b.out.new_zeros((), dtype=torch.float32)
         logs, accs = {}, []
-        for k in range(1, blk):
-            m = valid[:, :, k]
+        for j, k in b.draft_slots(cfg):
+            m = b.valid[:, :, k]
             if not m.any():
                 accs.append(float("nan"))
-                total = total + out.sum() * 0.0  # keep every parameter in the graph (DDP)
+                total = total + b.out.sum() * 0.0  # keep every parameter in the graph (DDP)
                 continue
-            hs = out[:, :, k][m]  # [rows, H]
-            src = (at[:, :, k] - 1)[m]  # the target predicts position a + k from a + k - 1
-            rows = torch.nonzero(m)[:, 0]
-            want = argmax[rows, src]
+            hs, rows, pred = b.rows(k)
+            want = b.argmax[rows, pred - 1]
             if self.hparams.loss == "kl":
-                lk = linear_kl(hs, w_student, last[rows, src], w_teacher, impl=self.hparams.loss_impl,
+                lk = linear_kl(hs, w_student, b.last[rows, pred - 1], w_teacher, impl=self.hparams.loss_impl,
                                chunk_size=self.hparams.loss_chunk_size)
             else:
-                lk = linear_cross_entropy(hs, w_student, ids[rows, at[:, :, k][m]], impl=self.hparams.loss_impl,
+                lk = linear_cross_entropy(hs, w_student, ids[rows, pred], impl=self.hparams.loss_impl,
                                           chunk_size=self.hparams.loss_chunk_size)
-            total = total + math.exp(-(k - 1) / blk) * lk
-            logs[f"loss_{k}"] = lk.detach()
-            accs.append((linear_argmax(hs.detach(), w_student.detach()) == want).float().mean().item())
+            total = total + position_weight(j, cfg.block_size) * lk
+            logs[f"loss_{j}"] = lk.detach()
+            top = self.head.to_target_ids(linear_argmax(hs.detach(), w_student.detach()))
+            accs.append((top == want).float().mean().item())
         return total, logs, accs

@@ -142,6 +142,58 @@ class _ChunkedLinearKL(torch.autograd.Function):
     backward = staticmethod(_chunked_backward)
 
 
+def _block_chunks(ht, wt, labels, ce_weight: float, tv_weight: float, kl_weight: float, accept, argmax):
+    """ce_weight * CE(labels) + tv_weight * TV(p, q) + kl_weight * KL(p || q) per chunk of rows, and its
+    gradient wrt the student logits; fills ``accept`` [N] with sum_x min(p, q) = 1 - TV (the probability
+    that rejection sampling accepts the draft) and ``argmax`` [N] with the student's top token.
+
+    d TV / d z_k = q_k (s_k - sum_j s_j q_j) / 2 with s = sign(q - p)."""
+    valid = labels != IGNORE_INDEX
+    safe = labels.clamp(min=0)
+
+    def block(s, logits):
+        n = len(logits)
+        log_q = logits.sub_(torch.logsumexp(logits, -1, keepdim=True))
+        argmax[s : s + n] = log_q.argmax(-1)
+        vc = valid[s : s + n]
+        loss = ce_weight * -(log_q.gather(1, safe[s : s + n, None])[:, 0] * vc).sum()
+        log_p = (ht[s : s + n] @ wt.T).float()
+        log_p = log_p.sub_(torch.logsumexp(log_p, -1, keepdim=True))
+        p = log_p.exp()
+        if kl_weight:
+            loss = loss + kl_weight * (p.view(-1) @ log_p.sub_(log_q).view(-1))
+        q = log_q.exp_()
+        grad = (q - p).sign_()  # s, then the gradient in its buffer
+        tv_rows = 0.5 * ((q - p).abs_().sum(-1))
+        accept[s : s + n] = 1.0 - tv_rows
+        loss = loss + tv_weight * tv_rows.sum()
+        grad.sub_((grad * q).sum(-1, keepdim=True)).mul_(q).mul_(0.5 * tv_weight)
+        if kl_weight:
+            grad.add_(q, alpha=kl_weight).sub_(p, alpha=kl_weight)
+        if ce_weight:
+            grad.addcmul_(q, vc.to(q.dtype)[:, None], value=ce_weight)
+            rows = torch.nonzero(vc).flatten()
+            grad[rows, safe[s : s + n][rows]] -= ce_weight
+        return loss, grad
+
+    return block
+
+
+class _ChunkedLinearBlock(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hs, ws, ht, wt, labels, weights, chunk: int):
+        accept = torch.empty(hs.shape[0], dtype=torch.float32, device=hs.device)
+        argmax = torch.empty(hs.shape[0], dtype=torch.int64, device=hs.device)
+        loss = _chunked_forward(ctx, hs, ws, chunk, max(hs.shape[0], 1),
+                                _block_chunks(ht, wt, labels, *weights, accept, argmax), n_extra=5)
+        ctx.mark_non_differentiable(accept, argmax)
+        return loss, accept, argmax
+
+    @staticmethod
+    def backward(ctx, go, _accept, _argmax):
+        return _chunked_backward(ctx, go)
+
+
 # ----------------------------------------------------------------------------- public ops
 
 
@@ -175,6 +227,39 @@ def linear_kl(hs, ws, ht, wt, chunk_size: int = DEFAULT_CHUNK, impl: str = "auto
     if not _needs_grad(hs, ws):
         return _chunked_loss_only(hs, ws, chunk_size, max(hs.shape[0], 1), _kl_chunks(ht, wt))
     return _ChunkedLinearKL.apply(hs, ws, ht, wt, chunk_size)
+
+
+def linear_block_distill(hs, ws, ht, wt, labels, ce_weight: float = 0.1, tv_weight: float = 0.9,
+                         kl_weight: float = 0.0, chunk_size: int = DEFAULT_CHUNK):
+    """Mean over rows of ce_weight * CE(q, labels) + tv_weight * TV(p, q) + kl_weight * KL(p || q), with
+    q = softmax(hs @ ws.T) the student and p = softmax(ht @ wt.T) the teacher (no gradient); labels
+    [N] (IGNORE_INDEX: no CE term). Returns (loss, accept [N] = sum_x min(p, q), student argmax [N]).
+
+    The chunked torch path on every device (Liger has no total-variation loss)."""
+    assert hs.shape[0] == ht.shape[0] == labels.shape[0] and ws.shape[0] == wt.shape[0], (
+        hs.shape, ws.shape, ht.shape, wt.shape, labels.shape)
+    ht, wt = ht.detach(), wt.detach()
+    weights = (float(ce_weight), float(tv_weight), float(kl_weight))
+    if _needs_grad(hs, ws):
+        return _ChunkedLinearBlock.apply(hs, ws, ht, wt, labels, weights, chunk_size)
+    accept = torch.empty(hs.shape[0], dtype=torch.float32, device=hs.device)
+    argmax = torch.empty(hs.shape[0], dtype=torch.int64, device=hs.device)
+    loss = _chunked_loss_only(hs, ws, chunk_size, max(hs.shape[0], 1),
+                              _block_chunks(ht, wt, labels, *weights, accept, argmax))
+    return loss, accept, argmax
+
+
+def plain_linear_block_distill(hs, ws, ht, wt, labels, ce_weight=0.1, tv_weight=0.9, kl_weight=0.0):
+    """Reference: materialises both logit matrices."""
+    log_q = torch.log_softmax((hs @ ws.T).float(), -1)
+    log_p = torch.log_softmax((ht @ wt.T).float(), -1).detach()
+    p, q = log_p.exp(), log_q.exp()
+    valid = labels != IGNORE_INDEX
+    ce = -(log_q.gather(1, labels.clamp(min=0)[:, None])[:, 0] * valid).sum()
+    tv = 0.5 * (q - p).abs().sum(-1)
+    kl = (p * (log_p - log_q)).sum()
+    n = max(hs.shape[0], 1)
+    return (ce_weight * ce + tv_weight * tv.sum() + kl_weight * kl) / n, 1 - tv.detach(), log_q.argmax(-1)
 
 
 @torch.no_grad()

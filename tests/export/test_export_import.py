@@ -36,6 +36,13 @@ def heads(tiny_target):
     for p in hs["dflash_vocab"].parameters():
         torch.nn.init.normal_(p, std=0.1)
     hs["dflash_vocab"].d2t.copy_(torch.arange(50) * 2)  # target id = i + d2t[i] = 3i
+    from draftheads.heads import DSparkHead
+
+    hs["dspark_vocab"] = DSparkHead(replace(hs["dspark"].config, draft_vocab_size=50, confidence_with_markov=False,
+                                            sample_from_anchor=False))
+    for p in hs["dspark_vocab"].parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    hs["dspark_vocab"].d2t.copy_(torch.arange(50) * 2)
     return hs
 
 
@@ -46,10 +53,12 @@ def _logits(head, model, seed=0):
     w = model.get_output_embeddings().weight
     if head.head_type == "medusa":
         return head.logits(torch.randn(1, 3, h, generator=g), w)
-    if head.head_type == "dflash":
+    if head.head_type in ("dflash", "dspark"):
         from draftheads.heads.dflash import block_attention_mask
 
         c = head.config
+        if head.head_type == "dspark":  # the mask slots are the target's row (not saved with the head)
+            head.use_target_mask(model.get_input_embeddings().weight)
         with torch.no_grad():
             feats = torch.randn(1, 7, len(c.target_layer_ids) * h, generator=g)
             kv = head.context_kv(head.context(feats), torch.arange(7)[None])
@@ -57,7 +66,12 @@ def _logits(head, model, seed=0):
             mask = block_attention_mask(torch.tensor([[6]]), torch.zeros(1, 7, dtype=torch.long), c.block_size,
                                         c.causal)
             out = head(block, torch.arange(6, 6 + c.block_size)[None], kv, mask)
-            return out @ head.projection(w).T
+            if head.head_type == "dflash":
+                return out @ head.projection(w).T
+            prev = torch.randint(c.vocab_size, out.shape[:2], generator=g)
+            logits = head.markov_inputs(out, prev) @ head.markov_projection(w).T
+            conf = head.confidence_logit(out, prev) if c.confidence_head else logits.new_zeros(0)
+            return torch.cat([logits.flatten(), conf.flatten()])
     emb, feat = torch.randn(1, 3, h, generator=g), torch.randn(1, 3, h, generator=g)
     pos = torch.arange(3)[None]
     with torch.no_grad():
@@ -76,6 +90,8 @@ def _logits(head, model, seed=0):
     ("medusa_shared", "vllm-medusa", "medusa"),
     ("dflash", "vllm-dflash", "dflash"),
     ("dflash_vocab", "vllm-dflash", "dflash"),
+    ("dspark", "vllm-dspark", "dspark"),
+    ("dspark_vocab", "vllm-dspark", "dspark"),
 ])
 def test_export_import_round_trip_identical_logits(heads, tiny_target, tiny_llama_dir, tmp_path, name, fmt, source):
     head = heads[name]
@@ -270,3 +286,42 @@ def test_dflash_export_refuses_what_vllm_cannot_serve(heads, tmp_path):
     windowed = DFlashHead(replace(heads["dflash"].config, sliding_window=4))
     with pytest.raises(DraftheadsError, match="sliding-window"):
         export_head(windowed, "vllm-dflash", tmp_path / "b", verifier="t", k=2)
+
+
+def test_dspark_export_fields_and_refusals(heads, tmp_path):
+    head = heads["dspark"]
+    c = head.config
+    out, cmd = export_head(head, "vllm-dspark", tmp_path / "s", verifier="t", k=c.block_size)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and '"method": "dspark"' in cmd
+    assert cfg["markov_rank"] == c.markov_rank and cfg["sample_from_anchor"] is True
+    assert cfg["enable_confidence_head"] is True and cfg["confidence_head_with_markov"] is True
+    # the top-level and dflash_config copies name the same 0-based layers (vLLM reads either)
+    assert cfg["dflash_config"]["target_layer_ids"] == [i - 1 for i in c.target_layer_ids]
+    assert cfg["mask_token_id"] == cfg["dflash_config"]["mask_token_id"] == c.mask_token_id
+    w = load_file(str(out / "model.safetensors"))
+    assert w["markov_head.markov_w1.weight"].shape == (c.vocab_size, c.markov_rank)
+    assert w["confidence_head.proj.weight"].shape == (1, c.hidden_size + c.markov_rank)
+    assert "mask_embedding" not in w  # vLLM's DSpark embeds the mask token with the target's row
+    with pytest.raises(DraftheadsError, match="more than this dspark head drafts"):  # anchor mode drafts block_size
+        export_head(head, "vllm-dspark", tmp_path / "k", verifier="t", k=c.block_size + 1)
+    from dataclasses import replace
+
+    from draftheads.heads import DSparkHead
+
+    with pytest.raises(DraftheadsError, match="markov_rank 0"):
+        export_head(DSparkHead(replace(c, markov_rank=0, confidence_with_markov=False)), "vllm-dspark",
+                    tmp_path / "r", verifier="t", k=2)
+
+
+def test_dspark_import_refuses_a_dflash_checkpoint_or_missing_confidence_weights(heads, tmp_path):
+    out, _ = export_head(heads["dflash"], "vllm-dflash", tmp_path / "d", verifier="t", k=2)
+    with pytest.raises(DraftheadsError, match="no markov_rank: a DFlash checkpoint"):
+        import_checkpoint("dspark", out, tmp_path / "x")
+    out, _ = export_head(heads["dspark"], "vllm-dspark", tmp_path / "s", verifier="t", k=2)
+    with pytest.raises(DraftheadsError, match="import it --from dspark"):
+        import_checkpoint("dflash", out, tmp_path / "y")
+    w = load_file(str(out / "model.safetensors"))
+    save_file({k: v for k, v in w.items() if not k.startswith("confidence_head.")}, str(out / "model.safetensors"))
+    with pytest.raises(DraftheadsError, match="enable_confidence_head is true but"):
+        import_checkpoint("dspark", out, tmp_path / "z")

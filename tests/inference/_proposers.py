@@ -1,8 +1,12 @@
-"""Proposers for tests: an oracle that drafts the target's own greedy continuation, and random trees."""
+"""Proposers for tests: an oracle that drafts the target's own greedy continuation, and random trees;
+a toy Markov language model and the exact distribution of its first three tokens for statistical tests."""
+
+import itertools
 
 import torch
 
 from draftheads.inference.proposers.base import Proposer
+from draftheads.inference.sampling import target_probs
 from draftheads.inference.tree import Tree, chain_parents
 
 
@@ -46,3 +50,35 @@ class RandomTreeProposer(Proposer):
         parents = [-1] + [int(torch.randint(i, (1,), generator=self.gen)) for i in range(1, self.size)]
         tokens = [st.root] + torch.randint(self.vocab, (self.size - 1,), generator=self.gen).tolist()
         return Tree(tokens, parents)
+
+
+class ToyLM:
+    """A Markov chain over a small vocabulary: p(next | last token), under the sampling params."""
+
+    def __init__(self, vocab, seed, sharpness, params):
+        g = torch.Generator().manual_seed(seed)
+        self.table = target_probs(torch.randn(vocab, vocab, generator=g) * sharpness, params)  # [V, V]
+        self.top = torch.argsort(self.table, dim=-1, descending=True).tolist()
+        self.pool: dict[int, list[int]] = {}
+
+    def sample(self, token, k, gen):
+        """k i.i.d. draws from p(. | token), served from a per-token pool drawn in bulk."""
+        pool = self.pool.setdefault(token, [])
+        if len(pool) < k:
+            pool.extend(torch.multinomial(self.table[token], 4096, replacement=True, generator=gen).tolist())
+        out = pool[-k:]
+        del pool[-k:]
+        return out
+
+    def probs(self, token):
+        return self.table[token]
+
+
+def exact_first_three(target, vocab, root=0):
+    t = target.table.tolist()
+    return {(a, b, c): t[root][a] * t[a][b] * t[b][c] for a, b, c in itertools.product(range(vocab), repeat=3)}
+
+
+def tv_distance(counts, exact, n):
+    keys = set(counts) | set(exact)
+    return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)

@@ -5,6 +5,7 @@ from _proposers import OracleProposer, RandomTreeProposer
 from draftheads.errors import DraftheadsError
 from draftheads.inference.engine import Engine
 from draftheads.inference.proposers.dflash import DFlashProposer
+from draftheads.inference.proposers.dspark import DSparkProposer
 from draftheads.inference.proposers.eagle import EagleProposer
 from draftheads.inference.proposers.eagle3 import Eagle3Proposer
 from draftheads.inference.proposers.medusa import MedusaProposer
@@ -49,17 +50,21 @@ def _proposer(name, model):
         "eagle3": lambda: Eagle3Proposer(heads["eagle3"], model),
         "dflash": lambda: DFlashProposer(heads["dflash"], model),
         "dflash-tree": lambda: DFlashProposer(heads["dflash"], model),
+        "dspark": lambda: DSparkProposer(heads["dspark"], model, min_survival=0.0),
+        "dspark-tree": lambda: DSparkProposer(heads["dspark"], model, min_survival=0.0),
+        "dspark-cut": lambda: DSparkProposer(heads["dspark"], model, min_survival=0.3),
     }[name]()
 
 
 PARAMS = SamplingParams(max_new_tokens=NEW, stop_at_eos=False)
 SPEC = TreeSpec(depth=4, top_k=3, total_tokens=12)
 TREES = {"plain": None, "ngram": "chain3", "random": SPEC, "oracle": SPEC, "medusa": "small", "eagle": SPEC,
-         "eagle3": SPEC, "dflash": "chain4", "dflash-tree": SPEC}
+         "eagle3": SPEC, "dflash": "chain4", "dflash-tree": SPEC,
+         "dspark": "chain4", "dspark-tree": SPEC, "dspark-cut": SPEC}
 
 
 @pytest.mark.parametrize("name", ["plain", "ngram", "random", "oracle", "medusa", "eagle", "eagle3", "dflash",
-                                  "dflash-tree"])
+                                  "dflash-tree", "dspark", "dspark-tree", "dspark-cut"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_identity(model, reference, name, batch):
     engine = Engine(model, proposer=_proposer(name, model), tree=TREES[name])

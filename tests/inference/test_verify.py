@@ -1,10 +1,9 @@
 """The three kinds of verification tests: exact greedy cases, same seed -> same output, and a
 statistical test that sampled output follows the target distribution."""
 
-import itertools
-
 import pytest
 import torch
+from _proposers import ToyLM, exact_first_three, tv_distance
 
 from draftheads.inference.sampling import SamplingParams, target_probs
 from draftheads.inference.tree import Tree
@@ -43,28 +42,6 @@ def test_temperature_top_k_top_p_distribution():
 # ------------------------------------------------------------------ statistical test
 
 
-class ToyLM:
-    """A Markov chain over a small vocabulary: p(next | last token), under the sampling params."""
-
-    def __init__(self, vocab, seed, sharpness, params):
-        g = torch.Generator().manual_seed(seed)
-        self.table = target_probs(torch.randn(vocab, vocab, generator=g) * sharpness, params)  # [V, V]
-        self.top = torch.argsort(self.table, dim=-1, descending=True).tolist()
-        self.pool: dict[int, list[int]] = {}
-
-    def sample(self, token, k, gen):
-        """k i.i.d. draws from p(. | token), served from a per-token pool drawn in bulk."""
-        pool = self.pool.setdefault(token, [])
-        if len(pool) < k:
-            pool.extend(torch.multinomial(self.table[token], 4096, replacement=True, generator=gen).tolist())
-        out = pool[-k:]
-        del pool[-k:]
-        return out
-
-    def probs(self, token):
-        return self.table[token]
-
-
 def _draft_tree(root, draft: ToyLM, depth, branching, sampled, gen):
     tokens, parents, qs = [root], [-1], [None]
     frontier = [0]
@@ -96,16 +73,6 @@ def _first_three(target, draft, depth, branching, sampled, gen, root=0):
     return tuple(out[:3])
 
 
-def _exact(target, vocab, root=0):
-    t = target.table.tolist()
-    return {(a, b, c): t[root][a] * t[a][b] * t[b][c] for a, b, c in itertools.product(range(vocab), repeat=3)}
-
-
-def _tv(counts, exact, n):
-    keys = set(counts) | set(exact)
-    return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
-
-
 @pytest.mark.parametrize("vocab,sampled,params", [
     (20, False, SamplingParams(temperature=1.0, top_k=6)),      # deterministic top-k drafts, branching 3, top-k
     (12, True, SamplingParams(temperature=0.8, top_p=0.9)),     # sampled drafts with known q, branching 2, top-p
@@ -118,7 +85,7 @@ def test_sampled_output_matches_target_distribution(vocab, sampled, params):
     for _ in range(n):
         key = _first_three(target, draft, depth=3, branching=2 if vocab < 20 else 3, sampled=sampled, gen=gen)
         counts[key] = counts.get(key, 0) + 1
-    tv = _tv(counts, _exact(target, vocab), n)
+    tv = tv_distance(counts, exact_first_three(target, vocab), n)
     assert tv < 0.01, tv
 
 

@@ -59,6 +59,7 @@ def _weights(workdir, run):
     ("Eagle3Module", {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3]}),
     ("MedusaModule", {"num_heads": 2, "draft_vocab_size": 40}),
     ("DFlashModule", {"block_size": 4, "anchors_per_row": 6, "num_layers": 2, "target_layer_ids": [1, 3]}),
+    ("DSparkModule", {"block_size": 4, "anchors_per_row": 6, "target_layer_ids": [1, 3], "markov_rank": 8}),
 ])
 def test_interrupted_and_resumed_equals_uninterrupted(workdir, model, extra):
     full = _config(workdir, f"full-{model}", model, 2, extra)

@@ -1,0 +1,39 @@
+"""DSpark proposer: the DFlash block forward, then left-to-right decoding of the block with the Markov
+bias of each drafted token on the next position's logits, cut where the confidence head's running
+survival probability falls below ``min_survival``.
+
+Greedy and tree drafts expand each node with the bias of its own token (the tree's nodes at one depth
+differ in their parents' tokens, so their children's distributions differ); sampled chains draw each
+token from the biased distribution given the token drawn before it (DSpark's sequential sampling).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftheads.inference.proposers.dflash import DFlashProposer
+
+DEFAULT_MIN_SURVIVAL = 0.1
+"""Below this estimated probability of being accepted, a draft costs more verification than it is
+expected to return on a CPU (one more verified token costs a few percent of a step)."""
+
+
+class DSparkProposer(DFlashProposer):
+    name = "dspark"
+
+    def __init__(self, head, target, min_survival: float = DEFAULT_MIN_SURVIVAL):
+        super().__init__(head, target, min_survival=min_survival if head.config.confidence_head else 0.0)
+        head.use_target_mask(self.embed.weight)
+        self._weight = None
+
+    def logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        if self._weight is None:  # the projection with the Markov columns, built once
+            self._weight = self.head.markov_projection(self.lm_head).to(hidden.dtype)
+        x = self.head.markov_inputs(hidden.expand(prev.shape[0], -1), prev)
+        return (x @ self._weight.T).float()
+
+    def survival_cut(self, hidden: torch.Tensor, prev: int) -> float:
+        if not self.head.config.confidence_head:
+            return 1.0
+        prev_t = torch.tensor([prev], device=hidden.device)
+        return float(torch.sigmoid(self.head.confidence_logit(hidden[None], prev_t))[0])

@@ -1,0 +1,115 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from draftheads.errors import DraftheadsError
+from draftheads.targets import hidden_states
+from draftheads.training.dflash import position_weight, sample_anchors
+from draftheads.training.dspark import DSparkModule, calibration_bins, expected_calibration_error
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["anchor", "fill-in"])
+def module(request, tiny_llama_dir):
+    torch.manual_seed(0)
+    m = DSparkModule(target=str(tiny_llama_dir), block_size=4, anchors_per_row=5, num_layers=1,
+                     target_layer_ids=[1, 3], markov_rank=8, sample_from_anchor=request.param, kl_weight=0.2)
+    m.configure_model()
+    for p in m.head.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return m.train()
+
+
+def _batch(t=24, vocab=300):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, vocab, (2, t), generator=g)
+    loss_mask = torch.zeros(2, t, dtype=torch.long)
+    loss_mask[:, 6:] = 1
+    doc_ids = torch.zeros(2, t, dtype=torch.long)
+    doc_ids[1, 14:] = 1
+    pos = torch.arange(t).repeat(2, 1)
+    pos[1, 14:] = torch.arange(t - 14)
+    return {"input_ids": ids, "loss_mask": loss_mask, "doc_ids": doc_ids, "position_ids": pos}
+
+
+def test_loss_equals_a_block_by_block_reference(module):
+    """Each block alone, full logits: 0.1 CE + 0.9 TV + 0.2 KL of q = softmax(h W^T + Markov bias of the
+    data's previous token) against the target, plus the BCE of the confidence against sum_x min(p, q)."""
+    batch = _batch()
+    loss, _, accs = module.compute_loss(batch)
+    head, cfg = module.head, module.head.config
+    n = module.info.num_layers
+    gen = torch.Generator().manual_seed(module.hparams.seed * 1_000_003 + module.global_step)
+    anchors = sample_anchors(batch["loss_mask"], batch["doc_ids"], module.hparams.anchors_per_row, gen)
+    w = module.lm_head_weight
+    per_j = {}
+    for r in range(2):
+        ids, docs, pos = (batch[k][r: r + 1] for k in ("input_ids", "doc_ids", "position_ids"))
+        for a in anchors[r].tolist():
+            if a < 0:
+                continue
+            start = next(i for i in range(a + 1) if docs[0, i] == docs[0, a])
+            hs, _ = hidden_states(module.target, ids[:, start:], [1, 3, n])
+            kv = head.context_kv(head.context(torch.cat([hs[1], hs[3]], -1)[:, : a - start]), pos[:, start:a])
+            block = head.block_inputs(module.embed(ids[:, [a]]))
+            out = head(block, pos[:, a: a + 1] + torch.arange(cfg.block_size), kv,
+                       torch.ones(1, 1, cfg.block_size, a - start + cfg.block_size, dtype=torch.bool))
+            for k in range(cfg.first_draft_slot, cfg.block_size):
+                j = k - cfg.first_draft_slot + 1  # draft index
+                tgt = a + j  # the position it predicts
+                if tgt >= ids.shape[1] or docs[0, tgt] != docs[0, a] or not batch["loss_mask"][r, tgt]:
+                    continue
+                prev = ids[0, tgt - 1]
+                logits = out[0, k] @ w.T + head.markov_head.markov_w2(head.markov_head.markov_w1(prev))
+                log_q = torch.log_softmax(logits, -1)
+                log_p = torch.log_softmax(hs[n][0, tgt - 1 - start] @ w.T, -1)
+                tv = 0.5 * (log_q.exp() - log_p.exp()).abs().sum()
+                kl = (log_p.exp() * (log_p - log_q)).sum()
+                draft = 0.1 * -log_q[ids[0, tgt]] + 0.9 * tv + 0.2 * kl
+                conf = head.confidence_logit(out[0, k], prev)
+                bce = F.binary_cross_entropy_with_logits(conf, (1 - tv).detach())
+                per_j.setdefault(j, []).append((draft, bce))
+    want = sum(position_weight(j, cfg.block_size) * (torch.stack([d for d, _ in v]).mean()
+                                                      + torch.stack([b for _, b in v]).mean())
+               for j, v in per_j.items())
+    torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
+    assert len(accs) == cfg.drafts_per_block
+    loss.backward()  # the Markov and confidence heads are trained
+    assert head.markov_head.markov_w2.weight.grad.abs().sum() > 0
+    assert head.confidence_head.proj.weight.grad.abs().sum() > 0
+    module.zero_grad()
+
+
+def test_expected_calibration_error_by_hand():
+    conf = torch.tensor([0.05, 0.15, 0.12, 0.95])
+    label = torch.tensor([0.0, 1.0, 0.0, 1.0])
+    bins = calibration_bins(conf, label)
+    assert bins[0].tolist() == [1, 2, 0, 0, 0, 0, 0, 0, 0, 1]
+    # bin 0: |0.05 - 0|; bin 1: |0.27 - 1|; bin 9: |0.95 - 1|; over 4
+    assert expected_calibration_error(bins) == pytest.approx((0.05 + 0.73 + 0.05) / 4)
+    assert expected_calibration_error(bins + calibration_bins(conf, label)) == pytest.approx((0.05 + 0.73 + 0.05) / 4)
+
+
+def test_bad_weights_name_the_field(tiny_llama_dir):
+    with pytest.raises(DraftheadsError, match="model.confidence_label"):
+        DSparkModule(target=str(tiny_llama_dir), confidence_label="sharp")
+    with pytest.raises(DraftheadsError, match="model.tv_weight=-1"):
+        DSparkModule(target=str(tiny_llama_dir), tv_weight=-1)
+    with pytest.raises(DraftheadsError, match="all 0"):
+        DSparkModule(target=str(tiny_llama_dir), ce_weight=0, tv_weight=0)
+
+
+def test_validation_accumulates_the_confidence_calibration(module):
+    module.eval()
+    try:
+        module.on_validation_epoch_start()
+        with torch.no_grad():
+            module.compute_loss(_batch())
+        bins = module._calibration
+        cfg = module.head.config
+        blocks = module.block_forward(_batch())
+        assert int(bins[0].sum()) == int(blocks.valid.sum())  # one calibration sample per trained draft
+        assert 0 <= expected_calibration_error(bins) <= 1
+    finally:
+        module._calibration = None
+        module.train()
+    assert cfg.confidence_head
