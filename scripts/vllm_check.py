@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -76,9 +77,17 @@ def run_vllm(python: str, target: Path, prompts: Path, n: int, out: Path, fmt: s
     if proc.returncode != 0:
         log = out.with_suffix(".log")
         log.write_text(proc.stdout)
-        raise DraftheadsError(f"vLLM run for {fmt or 'plain'} failed (rc {proc.returncode}); its output is in {log}")
+        raise DraftheadsError(f"vLLM run for {fmt or 'plain'} failed (rc {proc.returncode}): "
+                              f"{last_error(proc.stdout) or 'no exception line'}; its output is in {log}")
     say(f"vllm: {fmt or 'plain'} done in {time.perf_counter() - t0:.0f} s")
     return json.loads(out.read_text())
+
+
+def last_error(output: str) -> str | None:
+    """The last exception line of a failed run (``ValueError: ...``), to quote in the results."""
+    lines = [ln.strip() for ln in output.splitlines()]
+    hits = [ln for ln in lines if re.match(r"^([\w.]+(Error|Exception)|NotImplementedError|AssertionError)\b", ln)]
+    return hits[-1][:400] if hits else None
 
 
 def vllm_acceptance(counters: dict, k: int) -> tuple[float, list[float]]:

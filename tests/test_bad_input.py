@@ -23,7 +23,7 @@ from draftheads.testing import random_heads, save_tiny_llama
 def env(tmp_path_factory, tiny_target, tiny_llama_dir):
     root = tmp_path_factory.mktemp("bad-input")
     heads = random_heads(tiny_target.model)
-    for name in ("eagle3", "medusa"):
+    for name in ("eagle3", "medusa", "dflash", "dspark"):
         save_head(heads[name], root / name)
     prompts = [{"id": f"p{i}", "domain": "math", "turns": [f"What is {i} plus 1?"]} for i in range(3)]
     (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
@@ -31,6 +31,7 @@ def env(tmp_path_factory, tiny_target, tiny_llama_dir):
     (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat * 4))
     save_tiny_llama(root / "no-template", chat_template=False)
     return {"target": str(tiny_llama_dir), "root": root, "eagle3": root / "eagle3", "medusa": root / "medusa",
+            "dflash": root / "dflash", "dspark": root / "dspark",
             "prompts": root / "prompts.jsonl", "chat": root / "chat.jsonl", "no_template": root / "no-template"}
 
 
@@ -106,6 +107,20 @@ def _medusa_tree(d: Path) -> Path:
     return d / "tree.json"
 
 
+def _export(env, d: Path, kind: str, fmt: str, drop: str | None = None) -> Path:
+    """An export of the saved ``kind`` head in ``fmt``, without the weights starting with ``drop``."""
+    from safetensors.torch import load_file, save_file
+
+    from draftheads.export.vllm import export_head
+    from draftheads.heads import load_head
+
+    out, _ = export_head(load_head(env[kind])[0], fmt, d / "export", verifier="t", k=2)
+    if drop:
+        w = load_file(str(out / "model.safetensors"))
+        save_file({k: v for k, v in w.items() if not k.startswith(drop)}, str(out / "model.safetensors"))
+    return out
+
+
 GEN = ["generate", "--prompt", "hi", "--max-new-tokens", "4"]
 EVAL = ["eval", "--proposer", "ngram", "--max-new-tokens", "4", "--limit-per-domain", "1"]
 
@@ -156,6 +171,24 @@ CASES = [
     ("head-shape-mismatch", lambda e, d: {"h": _reshape_tensor(e, d / "h")}, GEN + ["--head", "{h}"], "fc.weight"),
     ("head-unknown-type", lambda e, d: {"h": _head_copy(e, d / "h", edit=_set("head_type", "hydra"))},
      GEN + ["--head", "{h}"], "hydra"),
+    # block drafters
+    ("dspark-block-too-large", lambda e, d: {"h": _head_copy(e, d / "h", "dspark", edit=_set("config.block_size", 200))},
+     GEN + ["--head", "{h}"], "block_size=200 must be in 2..128"),
+    ("dflash-layers-outside-target",
+     lambda e, d: {"h": _head_copy(e, d / "h", "dflash", edit=_set("config.target_layer_ids", [1, 40]))},
+     GEN + ["--head", "{h}"], "fall outside"),
+    ("dspark-mask-outside-vocab",
+     lambda e, d: {"h": _head_copy(e, d / "h", "dspark", edit=_set("config.mask_token_id", 10**6))},
+     GEN + ["--head", "{h}"], "mask_token_id=1000000"),
+    ("dspark-tree-deeper-than-block", lambda e, d: {}, GEN + ["--head", "{dspark}", "--tree", "chain9"],
+     "drafts 4 positions per block"),
+    ("dflash-export-wrong-format", lambda e, d: {"out": d / "o"},
+     ["export", "--head", "{dflash}", "--format", "vllm-eagle3", "--out", "{out}"], "exports eagle3 heads"),
+    ("dspark-import-of-a-dflash-checkpoint", lambda e, d: {"x": _export(e, d, "dflash", "vllm-dflash"), "out": d / "o"},
+     ["import", "--from", "dspark", "{x}", "--out", "{out}"], "import it --from dflash"),
+    ("dspark-confidence-head-without-weights",
+     lambda e, d: {"x": _export(e, d, "dspark", "vllm-dspark", drop="confidence_head."), "out": d / "o"},
+     ["import", "--from", "dspark", "{x}", "--out", "{out}"], "enable_confidence_head is true"),
     # sampling and tree arguments
     ("temperature-nan", lambda e, d: {}, GEN + ["--temperature", "nan"], "temperature"),
     ("temperature-inf", lambda e, d: {}, GEN + ["--temperature", "inf"], "temperature"),

@@ -21,15 +21,26 @@ from draftheads.errors import DraftheadsError
 from draftheads.heads import DFlashHead, LayerSpec
 from draftheads.heads.dflash import block_attention_mask, default_target_layer_ids
 from draftheads.targets import check_layer_ids
-from draftheads.training.losses import linear_argmax, linear_cross_entropy, linear_kl
+from draftheads.training.losses import linear_argmax, linear_cross_entropy, linear_kl, linear_token_nll
 from draftheads.training.module import DraftHeadModule
 
 LOSSES = ("kl", "ce")
+POSITION_WEIGHTINGS = ("decay", "dpace")
 
 
 def position_weight(j: int, block_size: int) -> float:
     """Weight of the j-th draft of a block (1-based): exp(-(j - 1) / block_size)."""
     return math.exp(-(j - 1) / block_size)
+
+
+def dpace_weights(confidence: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE per-position weights [..., L] of the blocks' drafts (arXiv 2605.18810): with the draft's
+    confidence in the data's token q_i = exp(-CE_i), smoothed q~_i = (1 - alpha) q_i + alpha, position j
+    weighs w_j = sum_{m >= j, valid} prod_{i <= m} q~_i, its chance to be reached times the accepted length
+    it can still add. Positions outside ``valid`` neither weigh nor interrupt the product. No gradient."""
+    q = torch.where(valid, (1 - alpha) * confidence.detach() + alpha, torch.ones_like(confidence))
+    reach = torch.cumprod(q, -1) * valid
+    return torch.flip(torch.cumsum(torch.flip(reach, [-1]), -1), [-1]) * valid
 
 
 @dataclass
@@ -83,6 +94,8 @@ class DFlashModule(DraftHeadModule):
         causal: bool = False,
         sliding_window: int | None = None,
         loss: str = "kl",
+        position_weighting: str = "decay",
+        dpace_alpha: float = 0.5,
         seed: int = 0,
         **kwargs,
     ):
@@ -99,6 +112,9 @@ class DFlashModule(DraftHeadModule):
             causal: causal attention within a block.
             sliding_window: context positions a block sees, back from its anchor (None = all).
             loss: ``kl`` (to the target's distribution) or ``ce`` (to the data's tokens).
+            position_weighting: ``decay`` (draft j weighs exp(-(j - 1) / block_size)) or ``dpace`` (weights
+                from the draft's own confidence, :func:`dpace_weights`; needs ``loss: ce``).
+            dpace_alpha: D-PACE's confidence smoothing, in (0, 1].
             seed: seed of the anchor draws (a function of seed and step, so resumes are exact).
             **kwargs: see :class:`DraftHeadModule`.
         """
@@ -108,6 +124,13 @@ class DFlashModule(DraftHeadModule):
             raise DraftheadsError(f"model.loss={loss!r}: use one of {list(LOSSES)}")
         if anchors_per_row < 1:
             raise DraftheadsError(f"model.anchors_per_row={anchors_per_row} must be >= 1")
+        if position_weighting not in POSITION_WEIGHTINGS:
+            raise DraftheadsError(f"model.position_weighting={position_weighting!r}: use one of "
+                                  f"{list(POSITION_WEIGHTINGS)}")
+        if position_weighting == "dpace" and loss != "ce":
+            raise DraftheadsError("model.position_weighting=dpace weighs cross-entropy terms: set model.loss: ce")
+        if not 0 < dpace_alpha <= 1:
+            raise DraftheadsError(f"model.dpace_alpha={dpace_alpha} must be in (0, 1]")
 
     def build_head(self, info, datamodule):
         hp = self.hparams
@@ -181,11 +204,13 @@ class DFlashModule(DraftHeadModule):
         return Blocks(out, pred, valid, feats[n], self.target_argmax(batch, feats[n]))
 
     def compute_loss(self, batch):
-        cfg = self.head.config
+        hp, cfg = self.hparams, self.head.config
         b = self.block_forward(batch)
         ids = batch["input_ids"]
         w_student = self.head.projection(self.lm_head_weight).to(b.out.dtype)
         w_teacher = self.lm_head_weight.to(b.last.dtype)
+        chunk = hp.loss_chunk_size
+        dpace = self._dpace_weights(b, ids, w_student) if hp.position_weighting == "dpace" else None
         total = b.out.new_zeros((), dtype=torch.float32)
         logs, accs = {}, []
         for j, k in b.draft_slots(cfg):
@@ -196,14 +221,26 @@ class DFlashModule(DraftHeadModule):
                 continue
             hs, rows, pred = b.rows(k)
             want = b.argmax[rows, pred - 1]
-            if self.hparams.loss == "kl":
-                lk = linear_kl(hs, w_student, b.last[rows, pred - 1], w_teacher, impl=self.hparams.loss_impl,
-                               chunk_size=self.hparams.loss_chunk_size)
+            if hp.loss == "kl":
+                lk = linear_kl(hs, w_student, b.last[rows, pred - 1], w_teacher, impl=hp.loss_impl, chunk_size=chunk)
             else:
-                lk = linear_cross_entropy(hs, w_student, ids[rows, pred], impl=self.hparams.loss_impl,
-                                          chunk_size=self.hparams.loss_chunk_size)
-            total = total + position_weight(j, cfg.block_size) * lk
+                lk = linear_cross_entropy(hs, w_student, ids[rows, pred], impl=hp.loss_impl,
+                                          chunk_size=chunk, row_weights=None if dpace is None else dpace[:, :, k][m])
+            total = total + (position_weight(j, cfg.block_size) if dpace is None else 1.0) * lk
             logs[f"loss_{j}"] = lk.detach()
             top = self.head.to_target_ids(linear_argmax(hs.detach(), w_student.detach()))
             accs.append((top == want).float().mean().item())
         return total, logs, accs
+
+    @torch.no_grad()
+    def _dpace_weights(self, b: Blocks, ids: torch.Tensor, w_student: torch.Tensor) -> torch.Tensor:
+        """[B, N, blk] D-PACE weights from the draft's confidence in each predicted token (no gradient)."""
+        conf = torch.zeros(b.valid.shape, dtype=torch.float32, device=b.out.device)
+        for _, k in Blocks.draft_slots(self.head.config):
+            m = b.valid[:, :, k]
+            if m.any():
+                hs, rows, pred = b.rows(k)
+                nll = linear_token_nll(hs.detach(), w_student.detach(), ids[rows, pred],
+                                       self.hparams.loss_chunk_size)
+                conf[:, :, k][m] = torch.exp(-nll)
+        return dpace_weights(conf, b.valid, self.hparams.dpace_alpha)

@@ -86,6 +86,8 @@ class DSparkModule(DFlashModule):
         for name, w in weights.items():
             if not w >= 0:
                 raise DraftheadsError(f"model.{name}={w} must be >= 0")
+        if self.hparams.position_weighting != "decay":
+            raise DraftheadsError("model.position_weighting: DSpark weighs its drafts by position decay; use decay")
         if ce_weight + tv_weight + kl_weight <= 0:
             raise DraftheadsError("model.ce_weight, tv_weight and kl_weight are all 0: give the drafts a loss")
         self._calibration = None
@@ -99,22 +101,22 @@ class DSparkModule(DFlashModule):
         hp, cfg = self.hparams, self.head.config
         b = self.block_forward(batch)
         ids = batch["input_ids"]
-        w_student = self.head.markov_projection(self.lm_head_weight).to(b.out.dtype)
+        w_student = self.head.projection(self.lm_head_weight).to(b.out.dtype)
+        w_markov = self.head.markov_head.markov_w2.weight if cfg.markov_rank else None
         w_teacher = self.lm_head_weight.to(b.last.dtype)
         total = b.out.new_zeros((), dtype=torch.float32)
         logs, accs = {}, []
         for j, k in b.draft_slots(cfg):
             if not b.valid[:, :, k].any():
                 accs.append(float("nan"))
-                total = total + b.out.sum() * 0.0 + w_student.sum() * 0.0  # every parameter in the graph (DDP)
-                if cfg.confidence_head:
-                    total = total + sum(p.sum() for p in self.head.confidence_head.parameters()) * 0.0
+                total = total + b.out.sum() * 0.0 + sum(p.sum() for p in self.head.parameters()) * 0.0  # DDP
                 continue
             hs, rows, pred = b.rows(k)
             prev = ids[rows, pred - 1]  # the token before the predicted one (the anchor at j = 1)
-            x = self.head.markov_inputs(hs, prev)
-            lk, accept, top = linear_block_distill(x, w_student, b.last[rows, pred - 1], w_teacher, ids[rows, pred],
-                                                   hp.ce_weight, hp.tv_weight, hp.kl_weight, hp.loss_chunk_size)
+            e = self.head.markov_embed(prev)  # the Markov bias e @ w2^T rides in the fused projection
+            lk, accept, top = linear_block_distill(hs, w_student, b.last[rows, pred - 1], w_teacher, ids[rows, pred],
+                                                   hp.ce_weight, hp.tv_weight, hp.kl_weight, hp.loss_chunk_size,
+                                                   bias_in=None if e is None else e.to(hs.dtype), bias_w=w_markov)
             weight = position_weight(j, cfg.block_size)
             hit = (self.head.to_target_ids(top) == b.argmax[rows, pred - 1]).float()
             total = total + weight * lk

@@ -49,44 +49,55 @@ def shift_left(x: torch.Tensor, d: int, fill=0) -> torch.Tensor:
 # ----------------------------------------------------------------------------- chunked torch path
 
 
-def _chunked_forward(ctx, h, w, chunk: int, denom: float, loss_and_dlogits, n_extra: int):
-    """Shared forward of the fused functions: per chunk of rows, ``loss_and_dlogits(start, logits)``
-    returns (summed loss, d loss / d logits); input and weight gradients accumulate right away, so one
-    chunk of logits is alive at a time. ``backward`` only scales them."""
-    grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
-    grad_w = torch.zeros_like(w, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-    total = torch.zeros((), dtype=torch.float32, device=h.device)
-    for s in range(0, h.shape[0], chunk):
-        hc = h[s : s + chunk]
-        loss, g = loss_and_dlogits(s, (hc @ w.T).float())  # logits [chunk, V]; .float() copies only low precision
+def _chunked_forward(ctx, pairs, chunk: int, denom: float, loss_and_dlogits, n_extra: int, need=None):
+    """Shared forward of the fused functions. Logits are ``sum_i h_i @ w_i.T`` over ``pairs`` of
+    (input [N, H_i], weight [V, H_i]) -- one pair, or a second one for a low-rank bias; per chunk of rows,
+    ``loss_and_dlogits(start, logits)`` returns (summed loss, d loss / d logits), and the gradients of
+    the inputs and weights that need one accumulate right away, so one chunk of logits is alive at a
+    time. The autograd inputs are the pairs' tensors in order (h_0, w_0, h_1, w_1, ...), then
+    ``n_extra`` others (``need``: which pair tensors take a gradient, default ``ctx.needs_input_grad``);
+    ``backward`` only scales the gradients."""
+    need = ctx.needs_input_grad if need is None else need
+    grads = []
+    for i, (h, w) in enumerate(pairs):
+        grads.append(torch.zeros_like(h) if need[2 * i] else None)
+        grads.append(torch.zeros_like(w, dtype=torch.float32) if need[2 * i + 1] else None)
+    n = pairs[0][0].shape[0]
+    total = torch.zeros((), dtype=torch.float32, device=pairs[0][0].device)
+    for s in range(0, n, chunk):
+        logits = None
+        for h, w in pairs:
+            part = h[s : s + chunk] @ w.T
+            logits = part if logits is None else logits.add_(part)
+        loss, g = loss_and_dlogits(s, logits.float())  # logits [chunk, V]; .float() copies only low precision
         total += loss
         g = g.div_(denom)
-        if grad_h is not None:
-            grad_h[s : s + chunk] = (g.to(w.dtype) @ w).to(h.dtype)
-        if grad_w is not None:
-            grad_w += g.T @ hc.float()
-    ctx.save_for_backward(grad_h if grad_h is not None else h.new_empty(0),
-                          grad_w if grad_w is not None else w.new_empty(0))
-    ctx.has = (grad_h is not None, grad_w is not None)
-    ctx.w_dtype = w.dtype
+        for i, (h, w) in enumerate(pairs):
+            if grads[2 * i] is not None:
+                grads[2 * i][s : s + chunk] = (g.to(w.dtype) @ w).to(h.dtype)
+            if grads[2 * i + 1] is not None:
+                grads[2 * i + 1] += g.T @ h[s : s + chunk].float()
+    ctx.save_for_backward(*[g if g is not None else torch.empty(0) for g in grads])
+    ctx.has = [g is not None for g in grads]
+    ctx.dtypes = [t.dtype for pair in pairs for t in pair]
     ctx.n_extra = n_extra
     return total / denom
 
 
 def _chunked_backward(ctx, go):
-    grad_h, grad_w = ctx.saved_tensors
-    gh = grad_h * go if ctx.has[0] else None
-    gw = (grad_w * go).to(ctx.w_dtype) if ctx.has[1] else None
-    return (gh, gw) + (None,) * ctx.n_extra
+    out = tuple((g * go).to(dt) if has else None for g, has, dt in zip(ctx.saved_tensors, ctx.has, ctx.dtypes))
+    return out + (None,) * ctx.n_extra
 
 
-def _ce_chunks(labels):
-    """CE per chunk of rows: (summed loss, d loss / d logits) from the logits buffer."""
+def _ce_chunks(labels, row_weights=None):
+    """CE per chunk of rows: (summed loss, d loss / d logits) from the logits buffer; ``row_weights`` [N]
+    scale each row's term (the mean is still over the valid rows)."""
     valid = labels != IGNORE_INDEX
     safe = labels.clamp(min=0)
+    scale = valid.float() if row_weights is None else valid.float() * row_weights.detach().float()
 
     def ce(s, logits):
-        lc, vc = safe[s : s + len(logits)], valid[s : s + len(logits)]
+        lc, vc = safe[s : s + len(logits)], scale[s : s + len(logits)]
         lse = torch.logsumexp(logits, -1)
         loss = ((lse - logits.gather(1, lc[:, None])[:, 0]) * vc).sum()
         g = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits buffer
@@ -111,11 +122,16 @@ def _kl_chunks(ht, wt):
     return kl
 
 
-def _chunked_loss_only(h, w, chunk: int, denom: float, loss_and_dlogits):
+def _chunked_loss_only(pairs, chunk: int, denom: float, loss_and_dlogits):
     """The forward of the fused functions without their gradient matmuls (validation, no_grad)."""
-    total = torch.zeros((), dtype=torch.float32, device=h.device)
-    for s in range(0, h.shape[0], chunk):
-        total += loss_and_dlogits(s, (h[s : s + chunk] @ w.T).float())[0]
+    n = pairs[0][0].shape[0]
+    total = torch.zeros((), dtype=torch.float32, device=pairs[0][0].device)
+    for s in range(0, n, chunk):
+        logits = None
+        for h, w in pairs:
+            part = h[s : s + chunk] @ w.T
+            logits = part if logits is None else logits.add_(part)
+        total += loss_and_dlogits(s, logits.float())[0]
     return total / denom
 
 
@@ -125,10 +141,10 @@ def _needs_grad(*ts) -> bool:
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, labels, chunk: int):
-        # h [N, H], w [V, H], labels [N] with IGNORE_INDEX; mean CE over valid rows
-        ce, denom = _ce_chunks(labels)
-        return _chunked_forward(ctx, h, w, chunk, denom, ce, n_extra=2)
+    def forward(ctx, h, w, labels, row_weights, chunk: int):
+        # h [N, H], w [V, H], labels [N] with IGNORE_INDEX, row_weights [N] or None; mean CE over valid rows
+        ce, denom = _ce_chunks(labels, row_weights)
+        return _chunked_forward(ctx, [(h, w)], chunk, denom, ce, n_extra=3)
 
     backward = staticmethod(_chunked_backward)
 
@@ -137,7 +153,7 @@ class _ChunkedLinearKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hs, ws, ht, wt, chunk: int):
         # student hs [N, H], ws [V, H]; teacher ht [N, Ht], wt [V, Ht]; mean over N of KL(p_t || q_s)
-        return _chunked_forward(ctx, hs, ws, chunk, max(hs.shape[0], 1), _kl_chunks(ht, wt), n_extra=3)
+        return _chunked_forward(ctx, [(hs, ws)], chunk, max(hs.shape[0], 1), _kl_chunks(ht, wt), n_extra=3)
 
     backward = staticmethod(_chunked_backward)
 
@@ -181,11 +197,15 @@ def _block_chunks(ht, wt, labels, ce_weight: float, tv_weight: float, kl_weight:
 
 class _ChunkedLinearBlock(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hs, ws, ht, wt, labels, weights, chunk: int):
+    def forward(ctx, hs, ws, es, we, ht, wt, labels, weights, chunk: int):
+        # student logits hs @ ws.T + es @ we.T (es [N, r], we [V, r]: a low-rank bias, or empty)
         accept = torch.empty(hs.shape[0], dtype=torch.float32, device=hs.device)
         argmax = torch.empty(hs.shape[0], dtype=torch.int64, device=hs.device)
-        loss = _chunked_forward(ctx, hs, ws, chunk, max(hs.shape[0], 1),
-                                _block_chunks(ht, wt, labels, *weights, accept, argmax), n_extra=5)
+        pairs = [(hs, ws), (es, we)] if es.numel() else [(hs, ws)]
+        loss = _chunked_forward(ctx, pairs, chunk, max(hs.shape[0], 1),
+                                _block_chunks(ht, wt, labels, *weights, accept, argmax), n_extra=5,
+                                need=ctx.needs_input_grad[: 2 * len(pairs)])
+        ctx.n_extra += 2 * (2 - len(pairs))  # an empty bias pair takes no gradient
         ctx.mark_non_differentiable(accept, argmax)
         return loss, accept, argmax
 
@@ -203,17 +223,28 @@ def _use_liger(t: torch.Tensor, impl: str) -> bool:
     return impl == "liger" or (impl == "auto" and t.is_cuda)
 
 
-def linear_cross_entropy(h, w, labels, chunk_size: int = DEFAULT_CHUNK, impl: str = "auto"):
-    """Mean CE of ``h @ w.T`` vs ``labels`` (IGNORE_INDEX skipped). h [N, H], w [V, H], labels [N]."""
+def linear_cross_entropy(h, w, labels, chunk_size: int = DEFAULT_CHUNK, impl: str = "auto", row_weights=None):
+    """Mean CE of ``h @ w.T`` vs ``labels`` (IGNORE_INDEX skipped). h [N, H], w [V, H], labels [N];
+    ``row_weights`` [N] (no gradient) scale each row's term (chunked path: Liger takes none)."""
     assert h.dim() == 2 and w.dim() == 2 and labels.shape == h.shape[:1], (h.shape, w.shape, labels.shape)
-    if _use_liger(h, impl):
+    if row_weights is None and _use_liger(h, impl):
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
         return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)(w, h, labels)
     if not _needs_grad(h, w):
-        ce, denom = _ce_chunks(labels)
-        return _chunked_loss_only(h, w, chunk_size, denom, ce)
-    return _ChunkedLinearCE.apply(h, w, labels, chunk_size)
+        ce, denom = _ce_chunks(labels, row_weights)
+        return _chunked_loss_only([(h, w)], chunk_size, denom, ce)
+    return _ChunkedLinearCE.apply(h, w, labels, row_weights, chunk_size)
+
+
+@torch.no_grad()
+def linear_token_nll(h, w, labels, chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Per-row -log softmax(h @ w.T)[label], chunked. h [N, H], w [V, H], labels [N] -> [N] float32."""
+    out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    for s in range(0, h.shape[0], chunk_size):
+        logits = (h[s : s + chunk_size] @ w.T).float()
+        out[s : s + chunk_size] = torch.logsumexp(logits, -1) - logits.gather(1, labels[s : s + chunk_size, None])[:, 0]
+    return out
 
 
 def linear_kl(hs, ws, ht, wt, chunk_size: int = DEFAULT_CHUNK, impl: str = "auto"):
@@ -225,26 +256,30 @@ def linear_kl(hs, ws, ht, wt, chunk_size: int = DEFAULT_CHUNK, impl: str = "auto
 
         return LigerFusedLinearJSD(jsd_beta=0.0)(hs, ws, ht, wt, None)
     if not _needs_grad(hs, ws):
-        return _chunked_loss_only(hs, ws, chunk_size, max(hs.shape[0], 1), _kl_chunks(ht, wt))
+        return _chunked_loss_only([(hs, ws)], chunk_size, max(hs.shape[0], 1), _kl_chunks(ht, wt))
     return _ChunkedLinearKL.apply(hs, ws, ht, wt, chunk_size)
 
 
 def linear_block_distill(hs, ws, ht, wt, labels, ce_weight: float = 0.1, tv_weight: float = 0.9,
-                         kl_weight: float = 0.0, chunk_size: int = DEFAULT_CHUNK):
+                         kl_weight: float = 0.0, chunk_size: int = DEFAULT_CHUNK, bias_in=None, bias_w=None):
     """Mean over rows of ce_weight * CE(q, labels) + tv_weight * TV(p, q) + kl_weight * KL(p || q), with
-    q = softmax(hs @ ws.T) the student and p = softmax(ht @ wt.T) the teacher (no gradient); labels
-    [N] (IGNORE_INDEX: no CE term). Returns (loss, accept [N] = sum_x min(p, q), student argmax [N]).
+    q = softmax(hs @ ws.T [+ bias_in @ bias_w.T]) the student (an optional low-rank bias: bias_in [N, r],
+    bias_w [V, r]) and p = softmax(ht @ wt.T) the teacher (no gradient); labels [N] (IGNORE_INDEX: no CE
+    term). Returns (loss, accept [N] = sum_x min(p, q), student argmax [N]).
 
     The chunked torch path on every device (Liger has no total-variation loss)."""
     assert hs.shape[0] == ht.shape[0] == labels.shape[0] and ws.shape[0] == wt.shape[0], (
         hs.shape, ws.shape, ht.shape, wt.shape, labels.shape)
     ht, wt = ht.detach(), wt.detach()
     weights = (float(ce_weight), float(tv_weight), float(kl_weight))
-    if _needs_grad(hs, ws):
-        return _ChunkedLinearBlock.apply(hs, ws, ht, wt, labels, weights, chunk_size)
+    if bias_in is None:
+        bias_in, bias_w = hs.new_zeros(0), ws.new_zeros(0)
+    if _needs_grad(hs, ws, bias_in, bias_w):
+        return _ChunkedLinearBlock.apply(hs, ws, bias_in, bias_w, ht, wt, labels, weights, chunk_size)
     accept = torch.empty(hs.shape[0], dtype=torch.float32, device=hs.device)
     argmax = torch.empty(hs.shape[0], dtype=torch.int64, device=hs.device)
-    loss = _chunked_loss_only(hs, ws, chunk_size, max(hs.shape[0], 1),
+    pairs = [(hs, ws), (bias_in, bias_w)] if bias_in.numel() else [(hs, ws)]
+    loss = _chunked_loss_only(pairs, chunk_size, max(hs.shape[0], 1),
                               _block_chunks(ht, wt, labels, *weights, accept, argmax))
     return loss, accept, argmax
 

@@ -5,7 +5,7 @@ import torch
 
 from draftheads.errors import DraftheadsError
 from draftheads.targets import hidden_states
-from draftheads.training.dflash import DFlashModule, sample_anchors
+from draftheads.training.dflash import DFlashModule, dpace_weights, sample_anchors
 from draftheads.training.losses import plain_linear_kl
 
 
@@ -86,3 +86,37 @@ def test_mask_token_must_not_be_a_real_token(tiny_llama_dir):
         m._mask_token_id(SimpleNamespace(vocab_size=300), dm)
     m.hparams.mask_token_id = None
     assert m._mask_token_id(SimpleNamespace(vocab_size=300), dm) in (0, 1, 2)  # a special token, unused
+
+
+def test_dpace_weights_by_hand():
+    # one block of 3 drafts with confidences 0.6, 0.2, 1.0 and alpha 0.5: q~ = 0.8, 0.6, 1.0
+    conf = torch.tensor([[0.6, 0.2, 1.0]])
+    w = dpace_weights(conf, torch.ones(1, 3, dtype=torch.bool), 0.5)
+    reach = [0.8, 0.8 * 0.6, 0.8 * 0.6 * 1.0]
+    torch.testing.assert_close(w, torch.tensor([[sum(reach), reach[1] + reach[2], reach[2]]]))
+    # an invalid middle position neither weighs nor interrupts the product
+    w = dpace_weights(conf, torch.tensor([[True, False, True]]), 0.5)
+    torch.testing.assert_close(w, torch.tensor([[0.8 + 0.8, 0.0, 0.8]]))
+
+
+def test_dpace_loss_is_the_confidence_weighted_cross_entropy(module):
+    """With position_weighting dpace, each draft's CE rows are weighted by dpace_weights of the draft's own
+    confidences exp(-CE) (computed per block), instead of exp(-(k - 1) / B)."""
+    batch = _batch()
+    hp = module.hparams
+    hp.position_weighting, hp.loss = "dpace", "ce"
+    try:
+        loss, _, _ = module.compute_loss(batch)
+        b = module.block_forward(batch)
+        w = module.lm_head_weight
+        logits = b.out @ w.T  # [B, N, blk, V]
+        nll = torch.logsumexp(logits, -1) - logits.gather(
+            -1, batch["input_ids"].gather(1, b.pred.flatten(1)).view_as(b.pred)[..., None])[..., 0]
+        weights = dpace_weights(torch.exp(-nll), b.valid, hp.dpace_alpha)
+        want = sum((weights[:, :, k] * nll[:, :, k])[b.valid[:, :, k]].mean() for k in range(1, 4)
+                   if b.valid[:, :, k].any())
+        torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
+    finally:
+        hp.position_weighting, hp.loss = "decay", "kl"
+    with pytest.raises(DraftheadsError, match="set model.loss: ce"):
+        DFlashModule(target="x", position_weighting="dpace")

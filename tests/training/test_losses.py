@@ -8,6 +8,7 @@ from draftheads.training.losses import (
     linear_block_distill,
     linear_cross_entropy,
     linear_kl,
+    linear_token_nll,
     medusa_loss,
     plain_linear_block_distill,
     plain_linear_cross_entropy,
@@ -80,6 +81,44 @@ def test_linear_block_distill_matches_plain(weights, frozen_w):
         _close(a, b, rel=1e-5)
     with torch.no_grad():  # the validation path: same loss without the gradient work
         _close(linear_block_distill(hs, ws, ht, wt, labels, *weights, chunk_size=6)[0], plain[0])
+
+
+@pytest.mark.parametrize("frozen_w", [False, True])
+def test_linear_block_distill_low_rank_bias_equals_the_concatenated_projection(frozen_w):
+    """hs @ ws.T + e @ we.T as a second pair: the same loss and gradients as cat([hs, e]) @ cat([ws, we]).T,
+    and a frozen ws gets no gradient work."""
+    torch.manual_seed(3)
+    hs = torch.randn(17, 12, dtype=torch.float64, requires_grad=True)
+    ws = torch.randn(41, 12, dtype=torch.float64, requires_grad=not frozen_w)
+    e = torch.randn(17, 3, dtype=torch.float64, requires_grad=True)
+    we = torch.randn(41, 3, dtype=torch.float64, requires_grad=True)
+    ht, wt = torch.randn(17, 10, dtype=torch.float64), torch.randn(41, 10, dtype=torch.float64)
+    labels = torch.randint(0, 41, (17,))
+    fused = _grads(lambda a, b, c, d: linear_block_distill(a, b, ht, wt, labels, 0.2, 0.8, 0.1, chunk_size=5,
+                                                           bias_in=c, bias_w=d)[0], hs, ws, e, we)
+    cat = _grads(lambda a, b, c, d: plain_linear_block_distill(torch.cat([a, c], 1), torch.cat([b, d], 1), ht, wt,
+                                                               labels, 0.2, 0.8, 0.1)[0], hs, ws, e, we)
+    _close(fused[0], cat[0])
+    assert len(fused[1]) == len(cat[1]) == (3 if frozen_w else 4)
+    for a, b in zip(fused[1], cat[1]):
+        _close(a, b)
+
+
+def test_row_weighted_cross_entropy_and_token_nll_match_plain():
+    torch.manual_seed(4)
+    x = torch.randn(23, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(70, 16, dtype=torch.float64)
+    labels = torch.randint(0, 70, (23,))
+    labels[::6] = IGNORE_INDEX
+    rw = torch.rand(23, dtype=torch.float64) * 3
+    fused = _grads(lambda a: linear_cross_entropy(a, w, labels, chunk_size=5, impl="chunked", row_weights=rw), x)
+    keep = labels != IGNORE_INDEX
+    nll = torch.nn.functional.cross_entropy(x @ w.T, labels.clamp(min=0), reduction="none")
+    plain = _grads(lambda a: (torch.nn.functional.cross_entropy(a @ w.T, labels.clamp(min=0), reduction="none")
+                              * rw * keep).sum() / keep.sum(), x)
+    _close(fused[0], plain[0])
+    _close(fused[1][0], plain[1][0])
+    _close(linear_token_nll(x[keep], w, labels[keep], chunk_size=4).double(), nll[keep].detach())
 
 
 def test_kl_is_zero_when_student_equals_teacher():
