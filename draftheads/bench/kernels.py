@@ -54,20 +54,19 @@ def attention_case(batch: int, tree: int, context: int, heads=32, kv_heads=8, di
     mask = ancestor_mask(parents)
     q = torch.randn(batch * tree, heads, dim, dtype=dtype, device=device)
     token_row = torch.arange(batch, device=device, dtype=torch.int32).repeat_interleave(tree)
-    anc = ancestor_words([mask] * batch, device)
+    anc, limit = ancestor_words([mask] * batch, [context] * batch, device)
     prefix = torch.full((batch,), context, dtype=torch.int32, device=device)
-    qlen = torch.full((batch,), tree, dtype=torch.int32, device=device)
-    return (q, k, v, token_row, anc, prefix, qlen, tables, dim**-0.5)
+    return (q, k, v, token_row, anc, limit, prefix, tables, dim**-0.5)
 
 
 def torch_path(args):
     """The engine's torch path on the same data: per row gather + SDPA with an additive mask."""
     import torch.nn.functional as F
 
-    q, k, v, token_row, anc, prefix, qlen, tables, scale = args
+    q, k, v, token_row, anc, limit, prefix, tables, scale = args
     bs = k.shape[1]
     rows = prefix.numel()
-    tree = int(qlen[0])
+    tree = q.shape[0] // rows
     outs = []
     for r in range(rows):
         total = int(prefix[r]) + tree
@@ -82,9 +81,9 @@ def torch_path(args):
 
 
 def attention_bytes(args) -> int:
-    q, k, v, token_row, anc, prefix, qlen, tables, scale = args
+    q, k, v, token_row, anc, limit, prefix, tables, scale = args
     kv_heads, dim, el = k.shape[2], k.shape[3], k.element_size()
-    keys = int((prefix + qlen).sum())
+    keys = int(prefix.sum()) + q.shape[0]
     return 2 * keys * kv_heads * dim * el + 2 * q.numel() * el  # K and V read once per row, Q read, O written
 
 

@@ -145,8 +145,7 @@ class ContinuousBatcher:
                 f"prompt {conv.key!r} has {len(first)} tokens, not below the max sequence length "
                 f"{self.max_seq_len}: raise --max-seq-len or shorten the prompt"
             )
-        gen = torch.Generator(device="cpu").manual_seed(conv.params.seed)
-        state = RequestState(rid, len(first), list(first), conv.params, gen)
+        state = self.engine.request_state(rid, first, conv.params)
         cache.add(rid, region)  # a contiguous region per row: attention reads its K/V without a gather
         return _Row(conv, state, region, list(first), answer_start=len(first), mask=[0] * len(first))
 

@@ -16,7 +16,7 @@ from draftheads.inference.kv_cache import PagedKVCache
 from draftheads.inference.metrics import SpecMetrics
 from draftheads.inference.policy import AutoTree, RequestSwitch
 from draftheads.inference.proposers.base import Proposer, RequestState
-from draftheads.inference.sampling import SamplingParams, sample_next
+from draftheads.inference.sampling import SamplingParams, request_generator, sample_next
 from draftheads.inference.tree import (
     DEFAULT_TREE,
     MAX_TREE_TOKENS,
@@ -60,6 +60,12 @@ class EngineConfig:
     def __post_init__(self):
         if self.verifier not in VERIFIERS:
             raise DraftheadsError(f"verifier {self.verifier!r} is unknown: use one of {', '.join(VERIFIERS)}")
+
+
+def _triton_supports(head_dim: int, block_size: int) -> bool:
+    from draftheads.kernels.tree_attention import supports
+
+    return supports(head_dim, block_size)
 
 
 def _plain_head(model) -> bool:
@@ -114,9 +120,15 @@ class Engine:
             eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.eos = set(eos_token_ids)
         use = self.config.use_triton
-        self.use_triton = (self.device.type == "cuda") if use is None else use
+        if use is None:  # the Triton path on CUDA, where the kernel takes this model's shapes
+            use = self.device.type == "cuda" and _triton_supports(self.head_dim, self.config.block_size)
+        self.use_triton = use
         self.verifier = VERIFIERS[self.config.verifier].from_config(self.config, fused=self.use_triton)
         self.steps = 0  # engine steps over all generate calls (the per-request switch counts in them)
+
+    def request_state(self, rid: int, prompt: list[int], params: SamplingParams) -> RequestState:
+        """A new request's state; its random stream lives on the target's device."""
+        return RequestState(rid, len(prompt), list(prompt), params, request_generator(params.seed, self.device))
 
     @property
     def mode(self) -> str:
@@ -194,8 +206,7 @@ class Engine:
         layer_ids = tuple(self.proposer.layer_ids) if self.proposer else ()
         states = []
         for rid, (p, sp) in enumerate(zip(prompts, params)):
-            gen = torch.Generator(device="cpu").manual_seed(sp.seed)
-            states.append(RequestState(rid, len(p), list(p), sp, gen))
+            states.append(self.request_state(rid, p, sp))
             cache.add(rid)
         t0 = time.perf_counter()
         # prefill: each prompt is a chain; all committed; the first token comes from the last position

@@ -60,3 +60,16 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     if params.greedy:
         return int(logits.argmax())
     return int(torch.multinomial(target_probs(logits, params), 1, generator=generator).item())
+
+
+def request_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A request's random stream, seeded, on the device its probabilities live on (``torch.multinomial``
+    on CUDA probabilities needs a CUDA generator)."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def uniform(generator: torch.Generator | None) -> float:
+    """One U[0, 1) draw (float64) from ``generator``, on its device."""
+    device = generator.device if generator is not None else None
+    return float(torch.rand((), generator=generator, dtype=torch.float64, device=device))
+

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from draftheads.errors import DraftheadsError
-from draftheads.inference.sampling import SamplingParams, target_probs
+from draftheads.inference.sampling import SamplingParams, target_probs, uniform
 from draftheads.inference.tree import Tree
 
 
@@ -99,7 +99,7 @@ def verify_sampled(tree: Tree, probs: torch.Tensor, gen: torch.Generator | None 
             for c in children:
                 q, x = qs[c], tree.tokens[c]
                 px, qx = float(p[x]), float(q[x])
-                u = float(torch.rand((), generator=gen, dtype=torch.float64))
+                u = uniform(gen)
                 if qx > 0 and u * qx < px:  # u < min(1, px / qx)
                     nxt = c
                     break

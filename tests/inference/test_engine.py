@@ -142,3 +142,35 @@ def test_paged_attention_equals_dense():
     step = PagedStep(cache, starts, [r[0] for r in rows], torch.cat(write), row_slots, masks)
     out = torch_paged_tree_attention(torch.cat(qs, 1)[None], step, 0, 8**-0.5)
     torch.testing.assert_close(out, torch.cat(dense), atol=1e-5, rtol=1e-5)
+
+
+def test_request_generators_live_on_the_target_device(model, monkeypatch):
+    """torch.multinomial on CUDA probabilities needs a CUDA generator: each request's random stream is
+    created on the target's device (here a pretend CUDA device; the GPU test below samples for real)."""
+    seen = []
+
+    class Recorder:
+        def __init__(self, device="cpu"):
+            self.device = torch.device(device)
+            seen.append(self.device)
+
+        def manual_seed(self, seed):
+            return self
+
+    engine = Engine(model)
+    engine.device = torch.device("cuda")
+    monkeypatch.setattr(torch, "Generator", Recorder)
+    engine.request_state(0, [1, 2, 3], SamplingParams(seed=5))
+    assert seen == [torch.device("cuda")]
+
+
+@pytest.mark.gpu
+def test_sampling_on_cuda_is_seeded_and_runs(model):
+    cuda = model.to("cuda")
+    try:
+        engine = Engine(cuda, proposer=NGramProposer(), tree="chain3")
+        params = SamplingParams(temperature=0.7, seed=3, max_new_tokens=16, stop_at_eos=False)
+        a, b = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    finally:
+        model.to("cpu")
