@@ -15,8 +15,8 @@ import lightning as L
 import torch
 
 from draftheads.errors import DraftheadsError
-from draftheads.heads import check_head_fits_target, save_head
-from draftheads.heads.base import HEAD_FILES
+from draftheads.heads import check_head_fits_target
+from draftheads.heads.base import HEAD_FILES, save_head_dir
 from draftheads.inference.metrics import simulated_tau
 from draftheads.targets import freeze, hidden_states, load_target
 from draftheads.training.data import doc_causal_mask
@@ -220,13 +220,28 @@ class DraftHeadModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("target.")}
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        from draftheads.training.fsdp import clip_grad_norm, is_fsdp
+
+        if gradient_clip_val and is_fsdp(self.trainer.strategy) and gradient_clip_algorithm in (None, "norm"):
+            clip_grad_norm(self.trainer.strategy, gradient_clip_val)  # the norm over every rank's shards
+            return
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
+
     def on_fit_end(self) -> None:
-        if self.hparams.head_dir and self.trainer.is_global_zero:
+        if not self.hparams.head_dir:
+            return
+        from draftheads.training.fsdp import full_state_dict
+
+        state = full_state_dict(self.trainer.strategy)  # every rank: a collective under FSDP
+        if self.trainer.is_global_zero:
+            head_state = {k[len("head."):]: v for k, v in state.items() if k.startswith("head.")}
             extra = {"target": self.hparams.target}
             if getattr(self, "last_val_accuracies", None):
                 extra["val_accuracies"] = self.last_val_accuracies
                 extra["val_sim_tau"] = simulated_tau(self.last_val_accuracies)
             if getattr(self, "draft_vocab_coverage", None):
                 extra["draft_vocab_coverage"] = self.draft_vocab_coverage
-            save_head(self.head, self.hparams.head_dir, extra)
+            save_head_dir(self.hparams.head_dir, self.head.head_type, self.head.config, head_state, extra)
             log.warning("head written to %s", self.hparams.head_dir)
