@@ -24,7 +24,12 @@ def main(rank: int, world: int, port: str, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from draftheads.training.fsdp import DecoderLayerFSDP, clip_grad_norm, decoder_layer_policy, full_state_dict
+    from draftheads.training.fsdp import (
+        DecoderLayerFSDP,
+        clip_grad_norm,
+        decoder_layer_policy,
+        full_state_dict,
+    )
 
     strategy = DecoderLayerFSDP()
     strategy._model = FSDP(model(), device_id=torch.device("cpu"), auto_wrap_policy=decoder_layer_policy,
