@@ -201,7 +201,7 @@ class Eagle3Module(_EagleBase):
         for n, batch in enumerate(loader):
             if n == batches:
                 break
-            batch = {k: v.to(self.device) for k, v in batch.items()}
+            batch = {k: v.to(self.lm_head_weight.device) for k, v in batch.items()}  # where the target is
             feats = self.features(batch, list(ids))
             real = batch["doc_ids"] >= 0
             for i, layer in enumerate(ids):

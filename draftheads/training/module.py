@@ -90,8 +90,9 @@ class DraftHeadModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.target is not None:
             return
-        loaded = load_target(
-            self.hparams.target, dtype=self.hparams.target_dtype, trust_remote_code=self.hparams.trust_remote_code
+        loaded = load_target(  # on this rank's device, so the statistics heads take at build time run there
+            self.hparams.target, dtype=self.hparams.target_dtype, device=self._rank_device(),
+            trust_remote_code=self.hparams.trust_remote_code,
         )
         self.target = freeze(loaded.model)
         self.info = loaded.info
@@ -99,6 +100,11 @@ class DraftHeadModule(L.LightningModule):
             dm = self.trainer.datamodule if self._trainer is not None else None
             self.head = self.build_head(self.info, dm)
         check_head_fits_target(self.head, self.info)
+
+    def _rank_device(self) -> torch.device:
+        """The device this process trains on (the strategy's root device; CPU without a trainer)."""
+        trainer = self._trainer
+        return trainer.strategy.root_device if trainer is not None else torch.device("cpu")
 
     def build_head(self, info, datamodule):  # pragma: no cover - abstract
         raise NotImplementedError

@@ -99,3 +99,18 @@ def test_head_is_written_from_the_gathered_state_by_rank_zero_only(tmp_path, mon
     back, _ = load_head(tmp_path / "head")
     for k, v in back.state_dict().items():
         torch.testing.assert_close(v, gathered[f"head.{k}"])  # the gathered tensors, not the local ones
+
+
+def test_target_loads_on_the_rank_device(monkeypatch, tiny_llama_dir):
+    """Each rank builds the frozen target on its own device (not the host), so the statistics a head takes
+    at build time (EAGLE-3's aux scale) run there too."""
+    from draftheads.training import module as module_mod
+    from draftheads.training.dflash import DFlashModule
+
+    seen = []
+    real = module_mod.load_target
+    monkeypatch.setattr(module_mod, "load_target", lambda *a, **k: seen.append(k.get("device")) or real(*a, **k))
+    m = DFlashModule(target=str(tiny_llama_dir), target_layer_ids=[1, 3], block_size=4, mask_token_id=0)
+    m._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu", 0)), datamodule=None)
+    m.configure_model()
+    assert seen == [torch.device("cpu", 0)]
