@@ -67,13 +67,41 @@ def _at_least(value: int, flag: str, low: int = 1) -> int:
 def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"target spec (default {DEFAULT_TARGET})")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default auto: cuda when present)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom modeling code from the hub")
 
 
-def cmd_info(args) -> int:
+def _device(spec: str):
+    """``--device``: auto (cuda when present), cpu, cuda or cuda:N; checked before any model loads."""
+    import torch
+
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise DraftheadsError(f"--device {spec!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DraftheadsError(f"--device {spec}: this machine has no CUDA device: use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DraftheadsError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) here")
+    elif device.type != "cpu":
+        raise DraftheadsError(f"--device {spec}: use auto, cpu, cuda or cuda:N")
+    return device
+
+
+def _load_target(args, spec: str | None = None):
+    """The target of ``--target`` (or ``spec``) with ``--dtype``, ``--device`` and ``--trust-remote-code``."""
     from draftheads.targets import load_target
 
-    info = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code).info
+    return load_target(spec or args.target, dtype=args.dtype, device=_device(args.device),
+                       trust_remote_code=args.trust_remote_code)
+
+
+def cmd_info(args) -> int:
+
+    info = _load_target(args).info
     d = {k: (str(v) if k == "dtype" else v) for k, v in info.__dict__.items()}
     print(json.dumps(d, indent=2))
     return 0
@@ -83,12 +111,11 @@ def cmd_generate(args) -> int:
     from draftheads.inference.build import check_drafter, make_engine, make_proposer
     from draftheads.inference.engine import Engine
     from draftheads.prompts import encode_chat
-    from draftheads.targets import load_target
 
     params = _sampling(args)
     tree = _one_tree(args.tree)
     head = check_drafter(args.head, args.proposer)
-    target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    target = _load_target(args)
     proposer = make_proposer(target, head, args.proposer)
     engine = make_engine(target, proposer, tree)
     tok = target.tokenizer
@@ -115,14 +142,13 @@ def cmd_generate(args) -> int:
 
 def cmd_distill(args) -> int:
     from draftheads.prompts import load_prompts
-    from draftheads.targets import load_target
     from draftheads.training.distill import check_distill, distill
 
     _sampling(args)
     prompts = [p for f in args.prompts for p in load_prompts(f, domains=args.domains,
                                                                limit_per_domain=args.limit_per_domain)]
     check_distill(prompts, args.out, args.batch_size, args.features, args.feature_dir, args.val_fraction)
-    target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    target = _load_target(args)
     torch_threads(args)
     layers = feature_layers(args.features, target.info.num_layers, "--features") if args.features else None
     out = distill(target, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size, args.seed,
@@ -133,7 +159,6 @@ def cmd_distill(args) -> int:
 
 
 def cmd_synthesize(args) -> int:
-    from draftheads.targets import load_target
     from draftheads.training.synthesize import SynthConfig, synthesize
 
     cfg = SynthConfig(num_prompts=args.num_prompts, domains=tuple(args.domains), multi_turn=args.multi_turn,
@@ -141,7 +166,7 @@ def cmd_synthesize(args) -> int:
                       batch_size=args.batch_size, dedup_threshold=args.dedup_threshold, seed=args.seed,
                       round_size=args.round_size)
     check_writable_file(args.out)
-    target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    target = _load_target(args)
     torch_threads(args)
     out = synthesize(target, args.out, cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     stats = json.loads(out.with_name(out.name + ".stats.json").read_text())
@@ -172,13 +197,12 @@ def feature_layers(spec: str, num_layers: int, flag: str = "--layers") -> list[i
 
 
 def cmd_cache_features(args) -> int:
-    from draftheads.targets import load_target
     from draftheads.training.data import build_dataset
     from draftheads.training.features import CACHE_FILES, write_feature_cache
     from draftheads.utils import check_output_dir
 
     check_output_dir(args.out, "cache-features", overwrite=args.overwrite, inputs=args.data, names=CACHE_FILES)
-    target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    target = _load_target(args)
     train, val, stats = build_dataset(target.tokenizer, args.data, args.max_length, not args.no_pack,
                                       args.val_fraction, args.seed, tokenizer_key=args.target)
     layers = feature_layers(args.layers, target.info.num_layers)
@@ -199,12 +223,11 @@ def cmd_cache_features(args) -> int:
 
 def cmd_profile(args) -> int:
     from draftheads.inference.profile import save_profile, verify_curve
-    from draftheads.targets import load_target
 
     ks = _ints(args.ks, "--ks")
     for flag in ("prefix", "repeats", "batch"):
         _at_least(getattr(args, flag), f"--{flag}")
-    target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    target = _load_target(args)
     curve = verify_curve(target.model, ks, prefix=args.prefix, repeats=args.repeats, batch=args.batch)
     path = save_profile(args.target, str(target.model.device), curve, args.prefix)
     base = curve[min(curve)]
@@ -229,9 +252,8 @@ def cmd_export(args) -> int:
     head, _ = load_head(args.head)
     target = None
     if args.verifier:
-        from draftheads.targets import load_target
 
-        target = load_target(args.verifier, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+        target = _load_target(args, args.verifier)
         check_head_fits_target(head, target.info)
     serve = None
     if args.verifier:
@@ -260,7 +282,6 @@ def cmd_eval(args) -> int:
     from draftheads import evaluation
     from draftheads.inference.build import check_drafter, make_proposer
     from draftheads.prompts import check_unique_ids, load_prompts
-    from draftheads.targets import load_target
     from draftheads.utils import check_writable_dir
 
     if not args.head and not args.proposer:
@@ -272,7 +293,7 @@ def cmd_eval(args) -> int:
     head = check_drafter(args.head, args.proposer)
     prompts = [p for f in args.prompts for p in load_prompts(f, limit_per_domain=args.limit_per_domain)]
     check_unique_ids(prompts)
-    target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    target = _load_target(args)
     torch_threads(args)
     proposer = make_proposer(target, head, args.proposer)
     results = evaluation.evaluate(target, proposer, modes, prompts, params, args.batch_size)
@@ -301,7 +322,6 @@ def cmd_bench(args) -> int:
     from draftheads.inference.build import check_drafter, make_proposer
     from draftheads.inference.tree import DEFAULT_TREE
     from draftheads.prompts import encode_chat, load_prompts
-    from draftheads.targets import load_target
     from draftheads.utils import atomic_write_json, atomic_write_text, check_writable_dir
 
     parts = [p.strip() for p in args.only.split(",") if p.strip()] if args.only is not None else list(speed.PARTS)
@@ -321,7 +341,7 @@ def cmd_bench(args) -> int:
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": evaluation.machine(), "target": args.target}
     target = None
     if set(parts) - {"memory"}:
-        target = load_target(args.target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+        target = _load_target(args)
         tok = target.tokenizer
         prompts = [encode_chat(tok, [{"role": "user", "content": p.turns[0]}], name=args.target)
                    for p in load_prompts(args.prompts, limit_per_domain=args.limit_per_domain)]
@@ -478,6 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace --out even if it holds files this command did not write")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="auto", help="where the verifier loads (default auto)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.set_defaults(func=cmd_export)
 

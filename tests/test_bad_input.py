@@ -205,6 +205,10 @@ CASES = [
     ("proposer-unknown", lambda e, d: {}, GEN + ["--proposer", "lookahead"], "lookahead"),
     ("head-and-proposer", lambda e, d: {}, GEN + ["--head", "{eagle3}", "--proposer", "ngram"], "--proposer"),
     ("dtype-unknown", lambda e, d: {}, GEN + ["--dtype", "float8"], "float8"),
+    ("device-unknown", lambda e, d: {}, GEN + ["--device", "tpu"], "--device 'tpu' is not a device"),
+    ("device-index-unparsable", lambda e, d: {}, GEN + ["--device", "cuda:x"], "not a device"),
+    *([("device-cuda-absent", lambda e, d: {}, GEN + ["--device", "cuda"], "no CUDA device")]
+      if not torch.cuda.is_available() else []),
     ("flag-unknown", lambda e, d: {}, GEN + ["--temprature", "0.5"], "--temprature"),
     ("flag-not-a-number", lambda e, d: {}, GEN + ["--max-new-tokens", "ten"], "--max-new-tokens"),
     # eval, profile, bench
