@@ -27,7 +27,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-STAGES = ("synthesize", "distill", "train", "export", "eval", "bench", "scaling", "package")
+STAGES = ("synthesize", "distill", "train", "export", "eval", "bench", "scaling", "package", "blocks")
+BLOCK_FAMILIES = ("dflash", "dspark")
+"""Block drafters the ``blocks`` stage trains on the same feature cache and benches beside EAGLE-3."""
 SHIPPED = ROOT / "draftheads/data/heads/smollm2-135m-eagle3"
 
 
@@ -102,9 +104,10 @@ def plain_decode_rate(tokens: int = 64) -> float:
     return out.metrics.tokens_per_s
 
 
-def train_config(run: Path, name: str, epochs: int | None, fraction: float = 1.0) -> Path:
-    """configs/smollm2-eagle3-reference.yaml with its paths under ``run/name``."""
-    cfg = yaml.safe_load((ROOT / "configs/smollm2-eagle3-reference.yaml").read_text())
+def train_config(run: Path, name: str, epochs: int | None, fraction: float = 1.0,
+                 base: str = "configs/smollm2-eagle3-reference.yaml") -> Path:
+    """``base`` (a reference config) with its paths under ``run/name``."""
+    cfg = yaml.safe_load((ROOT / base).read_text())
     out = run / name
     cfg["trainer"]["default_root_dir"] = str(out / "train")
     if epochs:
@@ -120,8 +123,7 @@ def train_config(run: Path, name: str, epochs: int | None, fraction: float = 1.0
         cfg["data"]["train_fraction"] = fraction
     path = out / "train.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("# written by scripts/reference_head.py from configs/smollm2-eagle3-reference.yaml\n"
-                    + yaml.safe_dump(cfg, sort_keys=False))
+    path.write_text(f"# written by scripts/reference_head.py from {base}\n" + yaml.safe_dump(cfg, sort_keys=False))
     return path
 
 
@@ -173,11 +175,13 @@ def main() -> int:
     head, export, evald, bench = root / "main/head", root / "export", root / "eval", root / "bench"
     scaling = root / "scaling"
     outputs = {"synthesize": synth, "distill": data, "train": head, "export": export, "eval": evald / "results.json",
-               "bench": bench / "results.json", "scaling": scaling / "scaling.json", "package": root / "packaged.json"}
+               "bench": bench / "results.json", "scaling": scaling / "scaling.json", "package": root / "packaged.json",
+               "blocks": root / "blocks/results.json"}
     for s in STAGES[min((STAGES.index(s) for s in redo), default=len(STAGES)):]:
         redo.add(s)  # a redone stage invalidates the ones after it
     for s in redo:
-        for target in [outputs[s]] + ([features, root / "main"] if s in ("distill", "train") else []):
+        trained = [root / f for f in BLOCK_FAMILIES] + [root / "blocks"] if s in ("distill", "blocks") else []
+        for target in [outputs[s]] + ([features, root / "main"] if s in ("distill", "train") else []) + trained:
             if target.is_dir():
                 shutil.rmtree(target)
             elif target.exists():
@@ -210,8 +214,36 @@ def main() -> int:
     fractions = [float(f) for f in args.scaling.split(",") if f.strip()]
     run.stage("scaling", outputs["scaling"], lambda: _scaling(run, root, fractions, head, features, args))
     run.stage("package", outputs["package"], lambda: _package(run, root, head, features, evald, bench, args))
+    run.stage("blocks", outputs["blocks"], lambda: _blocks(run, root, head, args))
     run.say("reference-head: all stages done; stage times " + json.dumps(run.times))
     return 0
+
+
+def _blocks(run: Run, root: Path, head: Path, args) -> None:
+    """DFlash and DSpark trained on the same feature cache as the EAGLE-3 head (configs/smollm2-<family>-
+    reference.yaml), each evaluated like it at chain 3 and chain 7 (the block drafters' served K) and with
+    the small tree, then all three benched side by side in one run."""
+    dh = str(BIN / "draftheads")
+    heads = {"eagle3": head}
+    for fam in BLOCK_FAMILIES:
+        heads[fam] = root / fam / "head"
+        if not heads[fam].exists():
+            fit(run, f"blocks {fam}", train_config(root, fam, args.epochs, base=f"configs/smollm2-{fam}-reference.yaml"))
+    for fam, h in heads.items():
+        ev = root / "blocks" / f"eval-{fam}"
+        if not (ev / "results.json").exists():
+            run.cmd(f"blocks eval {fam}", [
+                dh, "eval", "--head", str(h), "--prompts", "bundled:eval", "--limit-per-domain",
+                str(args.eval_per_domain), "--max-new-tokens", str(args.eval_tokens), "--tree", "chain3,chain7,small",
+                "--out", str(ev)])
+    run.cmd("blocks bench", [dh, "bench", *[a for fam, h in heads.items() for a in (f"--{fam}", str(h))],
+                             "--only", "proposers", "--max-new-tokens", str(args.eval_tokens),
+                             "--out", str(root / "blocks" / "bench")])
+    table = {fam: json.loads((root / "blocks" / f"eval-{fam}" / "results.json").read_text())["modes"]
+             for fam in heads}
+    (root / "blocks" / "results.json").write_text(json.dumps(
+        {fam: {m: {"tau": v["overall"]["tau"], "speedup": v["overall"]["speedup"]} for m, v in modes.items()}
+         for fam, modes in table.items()}, indent=2))
 
 
 def _best_tree(evald: Path) -> str:
