@@ -148,12 +148,24 @@ def cmd_distill(args) -> int:
     prompts = [p for f in args.prompts for p in load_prompts(f, domains=args.domains,
                                                                limit_per_domain=args.limit_per_domain)]
     check_distill(prompts, args.out, args.batch_size, args.features, args.feature_dir, args.val_fraction)
+    progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if args.engine == "vllm":  # only the tokenizer loads here; vLLM loads the target in its own environment
+        if args.features:
+            raise DraftheadsError("--engine vllm writes the answers' text only: drop --features/--feature-dir and "
+                                  "compute features with `draftheads cache-features` (or train online)")
+        opts = {"python": args.vllm_python, "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
+                "data_parallel_size": args.data_parallel_size}
+        out = distill(args.target, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size, args.seed,
+                      top_p=args.top_p, max_seq_len=args.max_seq_len, val_fraction=args.val_fraction,
+                      progress=progress, engine="vllm", vllm=opts)
+        print(out)
+        return 0
     target = _load_target(args)
     torch_threads(args)
     layers = feature_layers(args.features, target.info.num_layers, "--features") if args.features else None
     out = distill(target, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size, args.seed,
                   top_p=args.top_p, max_seq_len=args.max_seq_len, features=layers, feature_dir=args.feature_dir,
-                  val_fraction=args.val_fraction, progress=lambda m: print(m, file=sys.stderr, flush=True))
+                  val_fraction=args.val_fraction, progress=progress)
     print(out)
     return 0
 
@@ -440,6 +452,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also keep hidden states of the generation pass: eagle3 | eagle | medusa | comma list of ids")
     p.add_argument("--feature-dir", default=None, help="feature cache for train-head --data.feature_dir")
     p.add_argument("--val-fraction", type=float, default=0.05, help="prompts held out as the cache's val split")
+    p.add_argument("--engine", default="draftheads", choices=["draftheads", "vllm"],
+                   help="who writes the answers: the project's engine (with features) or vLLM (text only)")
+    p.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="python of vLLM's environment")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor parallelism")
+    p.add_argument("--data-parallel-size", type=int, default=1, help="vLLM data parallelism")
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=cmd_distill)
 

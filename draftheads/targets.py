@@ -320,3 +320,34 @@ def hidden_states(
             base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
             logits = None
     return {i: found[i] for i in ids}, logits
+
+
+def vllm_target_dir(src: Path, out: Path) -> Path:
+    """The target as a safetensors directory vLLM's (older) transformers reads: the cached files,
+    plus ``rope_theta`` written at the top level next to transformers 5's ``rope_parameters``."""
+    cfg = json.loads((src / "config.json").read_text())
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        cfg.setdefault("rope_theta", rope["rope_theta"])
+    cfg.setdefault("torch_dtype", cfg.get("dtype", "float32"))
+    with atomic_dir(out, "vllm target", overwrite=True) as tmp:
+        for f in src.iterdir():
+            if f.name != "config.json":
+                (tmp / f.name).symlink_to(f.resolve())
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def target_eos_ids(path: str | os.PathLike, tokenizer) -> list[int]:
+    """End-of-turn ids of a target directory without loading its weights: its generation config's
+    ``eos_token_id``, else the tokenizer's (the engine's rule)."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except (OSError, ValueError):
+        eos = None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+

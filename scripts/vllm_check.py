@@ -31,28 +31,12 @@ from draftheads.inference.engine import Engine
 from draftheads.inference.sampling import SamplingParams
 from draftheads.inference.timing import generation_run, interleaved, warm_up
 from draftheads.prompts import encode_chat, load_prompts
-from draftheads.targets import DEFAULT_TARGET, load_target, resolve_target
-from draftheads.utils import atomic_dir, atomic_write_json, atomic_write_text
+from draftheads.targets import DEFAULT_TARGET, load_target, resolve_target, vllm_target_dir
+from draftheads.utils import atomic_write_json, atomic_write_text
 
 
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def vllm_target_dir(src: Path, out: Path) -> Path:
-    """The target as a safetensors directory vLLM's (older) transformers reads: the cached files,
-    plus ``rope_theta`` written at the top level next to transformers 5's ``rope_parameters``."""
-    cfg = json.loads((src / "config.json").read_text())
-    rope = cfg.get("rope_parameters") or {}
-    if "rope_theta" in rope:
-        cfg.setdefault("rope_theta", rope["rope_theta"])
-    cfg.setdefault("torch_dtype", cfg.get("dtype", "float32"))
-    with atomic_dir(out, "vllm-check target", overwrite=True) as tmp:
-        for f in src.iterdir():
-            if f.name != "config.json":
-                (tmp / f.name).symlink_to(f.resolve())
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return out
 
 
 def run_vllm(python: str, target: Path, prompts: Path, n: int, out: Path, fmt: str | None = None,
@@ -84,10 +68,18 @@ def run_vllm(python: str, target: Path, prompts: Path, n: int, out: Path, fmt: s
 
 
 def last_error(output: str) -> str | None:
-    """The last exception line of a failed run (``ValueError: ...``), to quote in the results."""
-    lines = [ln.strip() for ln in output.splitlines()]
-    hits = [ln for ln in lines if re.match(r"^([\w.]+(Error|Exception)|NotImplementedError|AssertionError)\b", ln)]
-    return hits[-1][:400] if hits else None
+    """The last exception of a failed run (``ValueError: ...``, with pydantic's indented detail line), to
+    quote in the results."""
+    lines = output.splitlines()
+    hits = [i for i, ln in enumerate(lines)
+            if re.match(r"^([\w.]+(Error|Exception)|NotImplementedError|AssertionError)\b", ln.strip())]
+    if not hits:
+        return None
+    i = hits[-1]
+    msg = lines[i].strip()
+    if i + 1 < len(lines) and lines[i + 1].startswith((" ", "\t")) and lines[i + 1].strip():
+        msg += ": " + lines[i + 1].strip()
+    return msg[:400]
 
 
 def vllm_acceptance(counters: dict, k: int) -> tuple[float, list[float]]:

@@ -27,8 +27,7 @@ from pathlib import Path
 import torch
 
 from draftheads.errors import DraftheadsError
-from draftheads.inference.batching import ContinuousBatcher, Conversation, Finished
-from draftheads.inference.engine import Engine
+from draftheads.inference.batching import Conversation, Finished
 from draftheads.inference.sampling import SamplingParams
 from draftheads.prompts import Prompt, check_unique_ids, encode_chat, render_chat
 from draftheads.targets import check_layer_ids
@@ -108,31 +107,75 @@ def distill(
     target, prompts: list[Prompt], out: str | os.PathLike, max_new_tokens: int = 256, temperature: float = 0.0,
     batch_size: int = 32, seed: int = 0, top_p: float = 1.0, max_seq_len: int | None = None,
     features=None, feature_dir: str | os.PathLike | None = None, val_fraction: float = 0.05,
-    shard_rows: int = 64, feature_dtype=torch.bfloat16, progress=print,
+    shard_rows: int = 64, feature_dtype=torch.bfloat16, progress=print, engine: str = "draftheads",
+    vllm: dict | None = None,
 ) -> Path:
-    """Answer ``prompts`` with the target; returns ``out``. See the module docstring."""
+    """Answer ``prompts`` with the target; returns ``out``. See the module docstring.
+
+    ``engine``: ``draftheads`` (``target`` a loaded Target) or ``vllm`` (``target`` the target spec: only its
+    tokenizer loads here; ``vllm`` holds :class:`~draftheads.training.backends.VLLMBackend` options such as
+    ``python``, ``dtype``, ``tensor_parallel_size``, ``data_parallel_size``)."""
+    from draftheads.training.backends import ENGINES
+
     SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)  # validates
+    if engine not in ENGINES:
+        raise DraftheadsError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if engine == "vllm" and features is not None:
+        raise DraftheadsError("--engine vllm writes the answers' text only: drop --features/--feature-dir and compute "
+                              "features with `draftheads cache-features` (or train online)")
     check_distill(prompts, out, batch_size, features, feature_dir, val_fraction)
     out = Path(out)
     with exclusive(out), (exclusive(feature_dir, "--feature-dir") if feature_dir is not None else nullcontext()):
         if out.exists():  # a run that held the lock finished meanwhile
             raise DraftheadsError(f"--out {str(out)!r} was just written by another run: choose another path")
-        return _distill(target, prompts, out, max_new_tokens, temperature, batch_size, seed, top_p, max_seq_len,
-                        features, feature_dir, val_fraction, shard_rows, feature_dtype, progress)
+        if engine == "vllm":
+            backend, tok, name, dtype = _vllm_backend(str(target), out, batch_size, max_seq_len, seed, vllm or {})
+        else:
+            from draftheads.training.backends import EngineBackend
+
+            layers = check_layer_ids(features, target.info.num_layers, "--features") if features is not None else ()
+            if features is not None and not layers:
+                raise DraftheadsError("--features names no layer: give ids like 2,15,27,30, or eagle3")
+            backend = EngineBackend(target, batch_size, max_seq_len, capture=layers, feature_dtype=feature_dtype)
+            tok, name, dtype = target.tokenizer, target.info.name, str(target.info.dtype).replace("torch.", "")
+        try:
+            return _distill(backend, tok, name, dtype, engine, prompts, out, max_new_tokens, temperature, batch_size,
+                            seed, top_p, features, feature_dir, val_fraction, shard_rows, feature_dtype, progress)
+        finally:
+            backend.close()
 
 
-def _distill(target, prompts, out: Path, max_new_tokens, temperature, batch_size, seed, top_p, max_seq_len,
-             features, feature_dir, val_fraction, shard_rows, feature_dtype, progress) -> Path:
-    info, tok = target.info, target.tokenizer
-    layers = check_layer_ids(features, info.num_layers, "--features") if features is not None else ()
-    if features is not None and not layers:
-        raise DraftheadsError("--features names no layer: give ids like 2,15,27,30, or eagle3")
-    engine = Engine(target.model, tok)
-    batcher = ContinuousBatcher(engine, batch_size, max_seq_len, capture=layers, feature_dtype=feature_dtype)
-    max_seq_len = batcher.max_seq_len
-    settings = {"target": info.name, "prompts": _prompts_digest(prompts), "max_new_tokens": max_new_tokens,
-                "temperature": temperature, "top_p": top_p, "seed": seed, "max_seq_len": max_seq_len,
-                "dtype": str(info.dtype).replace("torch.", ""), "val_fraction": val_fraction}
+def _vllm_backend(spec: str, out: Path, batch_size: int, max_seq_len: int | None, seed: int, opts: dict):
+    from transformers import AutoConfig
+
+    from draftheads.targets import load_tokenizer, resolve_target, target_eos_ids, vllm_target_dir
+    from draftheads.training.backends import VLLMBackend
+
+    path = Path(resolve_target(spec))
+    tok = load_tokenizer(spec)
+    cfg = AutoConfig.from_pretrained(path)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    positions = getattr(cfg, "max_position_embeddings", 2048)
+    max_seq_len = min(2048, positions) if max_seq_len is None else max_seq_len
+    if not 2 <= max_seq_len <= positions:
+        raise DraftheadsError(f"max sequence length {max_seq_len} must be in [2, {positions}] (the target's context)")
+    model_dir = vllm_target_dir(path, out.with_name(f".{out.name}.vllm-target"))
+    dtype = opts.get("dtype", "float32")
+    backend = VLLMBackend(model_dir, set(target_eos_ids(path, tok)), max_seq_len, seed=seed,
+                          log=out.with_name(out.name + ".vllm.log"), chunk_size=max(batch_size, 1) * 32,
+                          **{k: v for k, v in opts.items() if k in ("python", "dtype", "tensor_parallel_size",
+                                                                     "data_parallel_size", "runner")})
+    return backend, tok, spec, dtype
+
+
+def _distill(backend, tok, name, dtype, engine, prompts, out: Path, max_new_tokens, temperature, batch_size, seed,
+             top_p, features, feature_dir, val_fraction, shard_rows, feature_dtype, progress) -> Path:
+    layers = tuple(getattr(backend, "capture", ()))
+    settings = {"target": name, "prompts": _prompts_digest(prompts), "max_new_tokens": max_new_tokens,
+                "temperature": temperature, "top_p": top_p, "seed": seed, "max_seq_len": backend.max_seq_len,
+                "dtype": dtype, "val_fraction": val_fraction}
+    if engine != "draftheads":
+        settings["engine"] = engine  # a resume keeps its engine (older partial files name none: the project's)
     partial = out.with_name(out.name + ".partial")
     meta = out.with_name(out.name + ".partial.json")
     if meta.is_file():
@@ -144,8 +187,8 @@ def _distill(target, prompts, out: Path, max_new_tokens, temperature, batch_size
     if layers:
         from draftheads.training.features import FeatureShardWriter
 
-        writer = FeatureShardWriter(feature_dir, info.name, layers, info.hidden_size, max_seq_len, shard_rows,
-                                    feature_dtype, settings)
+        writer = FeatureShardWriter(feature_dir, name, layers, backend.target.info.hidden_size, backend.max_seq_len,
+                                    shard_rows, feature_dtype, settings)
         done = writer.done_keys
         kept = [r for r in read_jsonl_prefix(partial) if r["id"] in done]
     else:
@@ -155,10 +198,11 @@ def _distill(target, prompts, out: Path, max_new_tokens, temperature, batch_size
 
     by_id = {p.id: p for p in prompts}
     todo = [p for p in prompts if p.id not in done]
+    eos = sorted(backend.eos)
 
     def conversations():
         for p in todo:
-            segs = turn_segments(tok, p.turns, sorted(engine.eos), info.name)
+            segs = turn_segments(tok, p.turns, eos, name)
             sp = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                 seed=(seed + _stable_int(p.id)) % (1 << 31))
             yield Conversation(p.id, segs, sp)
@@ -173,7 +217,7 @@ def _distill(target, prompts, out: Path, max_new_tokens, temperature, batch_size
             f.flush()
             os.fsync(f.fileno())
 
-        for fin in batcher.run(conversations()):
+        for fin in backend.run(conversations()):
             waiting[fin.key] = _record(by_id[fin.key], fin, tok)
             n_done += 1
             if writer is not None:
@@ -185,14 +229,17 @@ def _distill(target, prompts, out: Path, max_new_tokens, temperature, batch_size
             now = time.perf_counter()
             if now - last_note > 10:
                 last_note = now
-                progress(f"distill: {n_done}/{len(prompts)} prompts, {batcher.tokens_generated} new tokens, "
-                         f"{batcher.tokens_generated / (now - t0):.1f} tok/s")
+                progress(f"distill: {n_done}/{len(prompts)} prompts, {backend.tokens_generated} new tokens, "
+                         f"{backend.tokens_generated / (now - t0):.1f} tok/s")
         if writer is not None:
             writer.commit(final=True, before_index=write)
         write(list(waiting))
     dt = time.perf_counter() - t0
-    progress(f"distill: {len(prompts)} prompts done; {batcher.tokens_generated} new tokens in {dt:.0f} s "
-             f"({batcher.tokens_generated / max(dt, 1e-9):.1f} tok/s, batch {batch_size})")
+    progress(f"distill: {len(prompts)} prompts done; {backend.tokens_generated} new tokens in {dt:.0f} s "
+             f"({backend.tokens_generated / max(dt, 1e-9):.1f} tok/s, batch {batch_size}, engine {engine})")
+    if not backend.captures_features:
+        progress(f"distill: engine {engine} wrote the text only; for features run "
+                 f"`draftheads cache-features --data {out} --layers eagle3 --out FEATURE_DIR` (or train online)")
     os.replace(partial, out)
     meta.unlink()
     return out

@@ -1,0 +1,183 @@
+"""Engines that write the target's answers for ``distill`` (``--engine``), one interface for both.
+
+* ``draftheads``: the project's engine (continuous batching over the paged KV cache), hidden states of
+  the generation pass captured on the way.
+* ``vllm``: vLLM's offline ``LLM`` in its own environment (``.venv-vllm``), driven over JSON lines by
+  ``draftheads/vllm_runner.py``; text only (features come from ``cache-features`` or online training).
+
+Both follow the same conversation rules (:class:`~draftheads.inference.batching.ContinuousBatcher`): an
+answer ends at an end-of-turn token or at its budget, min(max_new_tokens, max_seq_len - tokens so far);
+an answer cut at its budget is marked truncated and ends the conversation; after an end-of-turn token
+the next user turn's template tokens are appended when they fit below max_seq_len.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftheads.errors import DraftheadsError
+from draftheads.inference.batching import Conversation, Finished
+
+RUNNER = Path(__file__).resolve().parents[1] / "vllm_runner.py"
+DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
+
+
+@dataclass
+class EngineBackend:
+    """The project's engine: ``target`` a loaded Target."""
+
+    target: object
+    batch_size: int
+    max_seq_len: int | None = None
+    capture: tuple[int, ...] = ()
+    feature_dtype: object = None
+    captures_features = True
+
+    def __post_init__(self):
+        import torch
+
+        from draftheads.inference.batching import ContinuousBatcher
+        from draftheads.inference.engine import Engine
+
+        self.engine = Engine(self.target.model, self.target.tokenizer)
+        self.batcher = ContinuousBatcher(self.engine, self.batch_size, self.max_seq_len, capture=self.capture,
+                                         feature_dtype=self.feature_dtype or torch.bfloat16)
+        self.max_seq_len = self.batcher.max_seq_len
+
+    @property
+    def eos(self) -> set[int]:
+        return self.engine.eos
+
+    @property
+    def tokens_generated(self) -> int:
+        return self.batcher.tokens_generated
+
+    def run(self, conversations: Iterable[Conversation]) -> Iterator[Finished]:
+        return self.batcher.run(conversations)
+
+    def close(self) -> None:
+        pass
+
+
+class VLLMBackend:
+    """vLLM in its own environment: ``python`` runs :data:`RUNNER` on ``model_dir`` (an HF directory vLLM
+    reads). Conversations advance in rounds, one vLLM ``generate`` per turn index, all rows together."""
+
+    captures_features = False
+
+    def __init__(self, model_dir: str | os.PathLike, eos: set[int], max_seq_len: int, python: str = DEFAULT_VLLM_PYTHON,
+                 dtype: str = "float32", tensor_parallel_size: int = 1, data_parallel_size: int = 1, seed: int = 0,
+                 log: str | os.PathLike | None = None, runner: str | os.PathLike = RUNNER, chunk_size: int = 2048):
+        """``chunk_size``: conversations taken from the queue at a time; each chunk runs all its turns
+        before the next starts, so a killed run loses at most one chunk."""
+        if not Path(python).is_file():
+            raise DraftheadsError(f"--vllm-python {python!r} does not exist: build vLLM's environment with "
+                                  "`make vllm-check` (it creates .venv-vllm), or point at a python that has vLLM")
+        self.eos, self.max_seq_len, self.chunk_size = set(eos), max_seq_len, chunk_size
+        self.tokens_generated = 0
+        cmd = [str(python), str(runner), "--model", str(model_dir), "--dtype", dtype,
+               "--max-model-len", str(max_seq_len), "--tensor-parallel-size", str(tensor_parallel_size),
+               "--data-parallel-size", str(data_parallel_size), "--seed", str(seed)]
+        self._log = open(log, "a") if log else None  # noqa: SIM115 (lives as long as the runner)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     stderr=self._log or sys.stderr)
+        hello = self._read()
+        self.vllm_version = hello.get("vllm_version")
+        self.round = 0
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            rc = self.proc.wait()
+            where = f" (its log: {self._log.name})" if self._log else ""
+            raise DraftheadsError(f"the vLLM runner stopped (exit status {rc}){where}")
+        return json.loads(line)
+
+    def generate(self, requests: list[dict]) -> dict:
+        """One round: ``{key: {"token_ids", "finish_reason", "stop_reason"}}``."""
+        self.round += 1
+        self.proc.stdin.write(json.dumps({"round": self.round, "requests": requests}) + "\n")
+        self.proc.stdin.flush()
+        out = {}
+        while True:
+            msg = self._read()
+            if "round_done" in msg:
+                return out
+            out[msg["key"]] = msg
+
+    def run(self, conversations: Iterable[Conversation]) -> Iterator[Finished]:
+        chunk = []
+        for conv in conversations:
+            chunk.append(conv)
+            if len(chunk) == self.chunk_size:
+                yield from self._run_chunk(chunk)
+                chunk = []
+        if chunk:
+            yield from self._run_chunk(chunk)
+
+    def _run_chunk(self, conversations: list[Conversation]) -> Iterator[Finished]:
+        live = []
+        for conv in conversations:
+            first = conv.segments[0]
+            if not conv.segments or not first:
+                raise DraftheadsError(f"conversation {conv.key!r} has an empty prompt")
+            if len(first) >= self.max_seq_len:
+                raise DraftheadsError(
+                    f"prompt {conv.key!r} has {len(first)} tokens, not below the max sequence length "
+                    f"{self.max_seq_len}: raise --max-seq-len or shorten the prompt")
+            live.append({"conv": conv, "tokens": list(first), "mask": [0] * len(first), "turn": 0,
+                         "answers": [], "truncated": []})
+        stop = sorted(self.eos)
+        while live:
+            reqs = []
+            for row in live:
+                sp = row["conv"].params
+                budget = min(sp.max_new_tokens, self.max_seq_len - len(row["tokens"]))
+                reqs.append({"key": str(row["conv"].key), "prompt_token_ids": row["tokens"], "max_tokens": budget,
+                             "temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed,
+                             "stop_token_ids": stop})
+            results = self.generate(reqs)
+            still = []
+            for row in live:
+                res = results[str(row["conv"].key)]
+                answer = list(res["token_ids"])
+                ended = res["finish_reason"] == "stop"
+                if ended and (not answer or answer[-1] not in self.eos):
+                    if not isinstance(res.get("stop_reason"), int):
+                        raise DraftheadsError(f"vLLM stopped {row['conv'].key!r} on {res.get('stop_reason')!r}, "
+                                              "not on an end-of-turn token")
+                    answer.append(res["stop_reason"])  # vLLM leaves a stop token out of the ids
+                self.tokens_generated += len(answer)
+                row["tokens"] += answer
+                row["mask"] += [1] * len(answer)
+                row["answers"].append(answer)
+                row["truncated"].append(not ended)
+                row["turn"] += 1
+                segs = row["conv"].segments
+                nxt = segs[row["turn"]] if ended and row["turn"] < len(segs) else None
+                if nxt is not None and len(row["tokens"]) + len(nxt) < self.max_seq_len:
+                    row["tokens"] += nxt
+                    row["mask"] += [0] * len(nxt)
+                    still.append(row)
+                else:
+                    yield Finished(row["conv"].key, row["tokens"], row["answers"], row["truncated"], row["mask"])
+            live = still
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        if self._log:
+            self._log.close()
+
+
+ENGINES = ("draftheads", "vllm")

@@ -1,0 +1,79 @@
+"""``distill --engine vllm`` through its runner protocol, with a fake runner (no vLLM needed): the same
+conversations, answers and truncation marks as the project's engine."""
+
+import json
+import shutil
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from draftheads.errors import DraftheadsError
+from draftheads.inference.engine import Engine
+from draftheads.inference.sampling import SamplingParams
+from draftheads.prompts import Prompt, encode_chat
+from draftheads.targets import load_target
+from draftheads.training.distill import distill
+
+FAKE = Path(__file__).with_name("_fake_vllm_runner.py")
+PROMPTS = [Prompt(f"p{i}", "chat", (f"question number {i}?",)) for i in range(5)] + [
+    Prompt("multi", "chat", ("first question?", "and a follow-up?", "one more?")),
+    Prompt("multi2", "chat", ("tell me more?", "why?")),
+]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny target with a second end-of-turn id its greedy answers actually emit, so answers end
+    early and later turns follow (both engines read it from generation_config.json)."""
+    d = tmp_path_factory.mktemp("eos") / "tiny"
+    shutil.copytree(tiny_llama_dir, d)
+    t = load_target(str(d))
+    im_end = t.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    seen = Counter()
+    for p in PROMPTS[5:]:  # the token the multi-turn prompts' greedy answers emit most, early
+        ids = encode_chat(t.tokenizer, [{"role": "user", "content": p.turns[0]}], name="tiny")
+        (out,) = Engine(t.model).generate([ids], SamplingParams(max_new_tokens=4, stop_at_eos=False))
+        seen.update(out.token_ids)
+    frequent = next(tok for tok, _ in seen.most_common() if tok != im_end)
+    cfg = json.loads((d / "generation_config.json").read_text()) if (d / "generation_config.json").exists() else {}
+    cfg["eos_token_id"] = [im_end, frequent]
+    (d / "generation_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def _records(path):
+    return {r["id"]: r for r in map(json.loads, Path(path).read_text().splitlines())}
+
+
+@pytest.mark.parametrize("max_new_tokens,max_seq_len", [(6, 64), (16, 36)])
+def test_fake_runner_gives_the_engines_conversations(target_dir, tmp_path, max_new_tokens, max_seq_len):
+    kw = {"max_new_tokens": max_new_tokens, "batch_size": 3, "max_seq_len": max_seq_len, "progress": lambda m: None}
+    ours = distill(load_target(str(target_dir)), PROMPTS, tmp_path / "ours.jsonl", **kw)
+    theirs = distill(str(target_dir), PROMPTS, tmp_path / "vllm.jsonl", engine="vllm",
+                     vllm={"python": sys.executable, "runner": str(FAKE)}, **kw)
+    a, b = _records(ours), _records(theirs)
+    assert a == b
+    assert not (tmp_path / "vllm.jsonl.partial").exists()
+    assert any(any(r["truncated"]) for r in a.values()) and any(not all(r["truncated"]) for r in a.values())
+    if max_seq_len == 64:
+        assert any(len(r["answers"]) > 1 for r in a.values())  # later turns followed an end-of-turn
+    else:  # some answer was cut by the sequence length before its token budget
+        tok = load_target(str(target_dir)).tokenizer
+        assert any(t and len(tok(ans, add_special_tokens=False).input_ids) < max_new_tokens
+                   for r in a.values() for ans, t in zip(r["answers"], r["truncated"]))
+
+
+def test_a_resume_keeps_its_engine_and_vllm_takes_no_features(target_dir, tmp_path):
+    out = tmp_path / "d.jsonl"
+    (tmp_path / "d.jsonl.partial").write_text("")
+    meta = {"target": str(target_dir), "engine": "vllm"}
+    (tmp_path / "d.jsonl.partial.json").write_text(json.dumps(meta))
+    with pytest.raises(DraftheadsError, match="engine"):
+        distill(load_target(str(target_dir)), PROMPTS, out, max_new_tokens=4, progress=lambda m: None)
+    with pytest.raises(DraftheadsError, match="text only"):
+        distill(str(target_dir), PROMPTS, tmp_path / "e.jsonl", engine="vllm", features=(1,),
+                feature_dir=tmp_path / "f", vllm={"python": sys.executable, "runner": str(FAKE)})
+    with pytest.raises(DraftheadsError, match="make vllm-check"):
+        distill(str(target_dir), PROMPTS, tmp_path / "g.jsonl", engine="vllm", vllm={"python": "/nonexistent/python"})
