@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from draftheads.inference.sampling import SamplingParams
 from draftheads.inference.timing import generation_run, interleaved, warm_up
 from draftheads.prompts import encode_chat, load_prompts
 from draftheads.targets import DEFAULT_TARGET, load_target, resolve_target, vllm_target_dir
+from draftheads.training.backends import last_error
 from draftheads.utils import atomic_write_json, atomic_write_text
 
 
@@ -65,21 +65,6 @@ def run_vllm(python: str, target: Path, prompts: Path, n: int, out: Path, fmt: s
                               f"{last_error(proc.stdout) or 'no exception line'}; its output is in {log}")
     say(f"vllm: {fmt or 'plain'} done in {time.perf_counter() - t0:.0f} s")
     return json.loads(out.read_text())
-
-
-def last_error(output: str) -> str | None:
-    """The last exception of a failed run (``ValueError: ...``, with pydantic's indented detail line), to
-    quote in the results."""
-    lines = output.splitlines()
-    hits = [i for i, ln in enumerate(lines)
-            if re.match(r"^([\w.]+(Error|Exception)|NotImplementedError|AssertionError)\b", ln.strip())]
-    if not hits:
-        return None
-    i = hits[-1]
-    msg = lines[i].strip()
-    if i + 1 < len(lines) and lines[i + 1].startswith((" ", "\t")) and lines[i + 1].strip():
-        msg += ": " + lines[i + 1].strip()
-    return msg[:400]
 
 
 def vllm_acceptance(counters: dict, k: int) -> tuple[float, list[float]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator
@@ -26,6 +27,26 @@ from draftheads.inference.batching import Conversation, Finished
 
 RUNNER = Path(__file__).resolve().parents[1] / "vllm_runner.py"
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
+
+
+_LOG_PREFIX = re.compile(r"^(\(\S+ pid=\d+\) )?(\w+ \d\d-\d\d [\d:]+ \[[^\]]*\] )?")
+_EXCEPTION = re.compile(r"^([\w.]+(Error|Exception)|NotImplementedError|AssertionError)\b")
+
+
+def last_error(output: str) -> str | None:
+    """The root exception of a failed vLLM run, to quote in one line: the last ``SomeError: ...`` line
+    (log prefixes of vLLM's worker processes stripped) that is not a "see root cause above" wrapper,
+    with pydantic's indented detail line appended."""
+    lines = [_LOG_PREFIX.sub("", ln) for ln in output.splitlines()]
+    hits = [i for i, ln in enumerate(lines) if _EXCEPTION.match(ln.strip())]
+    if not hits:
+        return None
+    roots = [i for i in hits if "root cause" not in lines[i]]
+    i = (roots or hits)[-1]
+    msg = lines[i].strip()
+    if i + 1 < len(lines) and lines[i + 1].startswith((" ", "\t")) and lines[i + 1].strip():
+        msg += ": " + lines[i + 1].strip()
+    return msg[:400]
 
 
 @dataclass
@@ -85,7 +106,9 @@ class VLLMBackend:
                "--max-model-len", str(max_seq_len), "--tensor-parallel-size", str(tensor_parallel_size),
                "--data-parallel-size", str(data_parallel_size), "--seed", str(seed)]
         self._log = open(log, "a") if log else None  # noqa: SIM115 (lives as long as the runner)
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        # vLLM's CPU build reserves a fraction of host memory unless given a KV-cache size (ignored on GPUs)
+        env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ}
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                      stderr=self._log or sys.stderr)
         hello = self._read()
         self.vllm_version = hello.get("vllm_version")
@@ -95,8 +118,12 @@ class VLLMBackend:
         line = self.proc.stdout.readline()
         if not line:
             rc = self.proc.wait()
-            where = f" (its log: {self._log.name})" if self._log else ""
-            raise DraftheadsError(f"the vLLM runner stopped (exit status {rc}){where}")
+            why = ""
+            if self._log:
+                self._log.flush()
+                why = f": {last_error(Path(self._log.name).read_text(errors='replace')) or 'no exception line'}; " \
+                      f"its log: {self._log.name}"
+            raise DraftheadsError(f"the vLLM runner stopped (exit status {rc}){why}")
         return json.loads(line)
 
     def generate(self, requests: list[dict]) -> dict:

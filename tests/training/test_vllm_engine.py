@@ -77,3 +77,19 @@ def test_a_resume_keeps_its_engine_and_vllm_takes_no_features(target_dir, tmp_pa
                 feature_dir=tmp_path / "f", vllm={"python": sys.executable, "runner": str(FAKE)})
     with pytest.raises(DraftheadsError, match="make vllm-check"):
         distill(str(target_dir), PROMPTS, tmp_path / "g.jsonl", engine="vllm", vllm={"python": "/nonexistent/python"})
+
+
+def test_the_root_cause_of_a_failed_vllm_run_is_quoted():
+    from draftheads.training.backends import last_error
+
+    log = "\n".join([
+        "(VllmWorker-0 pid=10) ERROR 12-01 20:16:28 [multiproc_executor.py:953]     raise ValueError(",
+        "(VllmWorker-0 pid=10) ERROR 12-01 20:16:28 [multiproc_executor.py:953] ValueError: Available memory on "
+        "node 0 (13.42/23.54 GiB) is less than desired",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+    ])
+    assert last_error(log) == "ValueError: Available memory on node 0 (13.42/23.54 GiB) is less than desired"
+    pydantic = "x\npydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig\n" \
+               "  Value error, Model Runner V1 does not support: dspark speculative decoding\n"
+    assert last_error(pydantic).endswith("Model Runner V1 does not support: dspark speculative decoding")
+    assert last_error("all fine") is None
