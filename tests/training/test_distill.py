@@ -73,9 +73,9 @@ def test_resume_after_a_kill_has_no_duplicates_or_gaps(tiny_target, tmp_path):
     ref_recs = sorted(ref.read_text().splitlines())
 
     calls = {"n": 0}
-    import draftheads.training.distill as mod
+    from draftheads.inference.batching import ContinuousBatcher
 
-    real = mod.ContinuousBatcher.run
+    real = ContinuousBatcher.run
 
     def run_then_die(self, convs, *a, **k):
         for n, fin in enumerate(real(self, convs, *a, **k)):
@@ -84,12 +84,12 @@ def test_resume_after_a_kill_has_no_duplicates_or_gaps(tiny_target, tmp_path):
                 raise KeyboardInterrupt
             yield fin
 
-    mod.ContinuousBatcher.run = run_then_die
+    ContinuousBatcher.run = run_then_die
     try:
         with pytest.raises(KeyboardInterrupt):
             _run(tiny_target, tmp_path)
     finally:
-        mod.ContinuousBatcher.run = real
+        ContinuousBatcher.run = real
     index = json.loads((tmp_path / "feats" / "index.json").read_text())
     committed = [k for shards in index["splits"].values() for sh in shards for k in sh["keys"]]
     assert 0 < len(committed) < len(PROMPTS) and not index["complete"]
