@@ -71,6 +71,23 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom modeling code from the hub")
 
 
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="draftheads", choices=["draftheads", "vllm"],
+                   help="who writes the text: the project's engine (with features) or vLLM (text only)")
+    p.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="python of vLLM's environment")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor parallelism")
+    p.add_argument("--data-parallel-size", type=int, default=1, help="vLLM data parallelism")
+
+
+def _engine_target(args):
+    """(target, vLLM options) for ``--engine``: the loaded target, or (vllm) the spec and the options."""
+    if args.engine != "vllm":
+        return _load_target(args), None
+    return args.target, {"python": args.vllm_python, "dtype": args.dtype,
+                         "tensor_parallel_size": _at_least(args.tensor_parallel_size, "--tensor-parallel-size"),
+                         "data_parallel_size": _at_least(args.data_parallel_size, "--data-parallel-size")}
+
+
 def _device(spec: str):
     """``--device``: auto (cuda when present), cpu, cuda or cuda:N; checked before any model loads."""
     import torch
@@ -149,23 +166,15 @@ def cmd_distill(args) -> int:
                                                                limit_per_domain=args.limit_per_domain)]
     check_distill(prompts, args.out, args.batch_size, args.features, args.feature_dir, args.val_fraction)
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    if args.engine == "vllm":  # only the tokenizer loads here; vLLM loads the target in its own environment
-        if args.features:
-            raise DraftheadsError("--engine vllm writes the answers' text only: drop --features/--feature-dir and "
-                                  "compute features with `draftheads cache-features` (or train online)")
-        opts = {"python": args.vllm_python, "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
-                "data_parallel_size": args.data_parallel_size}
-        out = distill(args.target, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size, args.seed,
-                      top_p=args.top_p, max_seq_len=args.max_seq_len, val_fraction=args.val_fraction,
-                      progress=progress, engine="vllm", vllm=opts)
-        print(out)
-        return 0
-    target = _load_target(args)
+    if args.engine == "vllm" and args.features:
+        raise DraftheadsError("--engine vllm writes the answers' text only: drop --features/--feature-dir and "
+                              "compute features with `draftheads cache-features` (or train online)")
+    target, opts = _engine_target(args)  # vllm: only the tokenizer loads here, vLLM loads the weights
     torch_threads(args)
     layers = feature_layers(args.features, target.info.num_layers, "--features") if args.features else None
     out = distill(target, prompts, args.out, args.max_new_tokens, args.temperature, args.batch_size, args.seed,
                   top_p=args.top_p, max_seq_len=args.max_seq_len, features=layers, feature_dir=args.feature_dir,
-                  val_fraction=args.val_fraction, progress=progress)
+                  val_fraction=args.val_fraction, progress=progress, engine=args.engine, vllm=opts)
     print(out)
     return 0
 
@@ -178,9 +187,10 @@ def cmd_synthesize(args) -> int:
                       batch_size=args.batch_size, dedup_threshold=args.dedup_threshold, seed=args.seed,
                       round_size=args.round_size)
     check_writable_file(args.out)
-    target = _load_target(args)
+    target, opts = _engine_target(args)
     torch_threads(args)
-    out = synthesize(target, args.out, cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    out = synthesize(target, args.out, cfg, progress=lambda m: print(m, file=sys.stderr, flush=True),
+                     engine=args.engine, vllm=opts)
     stats = json.loads(out.with_name(out.name + ".stats.json").read_text())
     print("| domain | kept | candidates | near-dup rate | distinct-1 | distinct-2 | distinct-3 | multi-turn |")
     print("|---|---|---|---|---|---|---|---|")
@@ -452,11 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also keep hidden states of the generation pass: eagle3 | eagle | medusa | comma list of ids")
     p.add_argument("--feature-dir", default=None, help="feature cache for train-head --data.feature_dir")
     p.add_argument("--val-fraction", type=float, default=0.05, help="prompts held out as the cache's val split")
-    p.add_argument("--engine", default="draftheads", choices=["draftheads", "vllm"],
-                   help="who writes the answers: the project's engine (with features) or vLLM (text only)")
-    p.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="python of vLLM's environment")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor parallelism")
-    p.add_argument("--data-parallel-size", type=int, default=1, help="vLLM data parallelism")
+    _add_engine_args(p)
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=cmd_distill)
 
@@ -475,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dedup-threshold", type=float, default=0.7, help="MinHash Jaccard above which prompts are near duplicates")
     p.add_argument("--round-size", type=int, default=192, help="candidates per round (the unit of resume)")
     p.add_argument("--seed", type=int, default=0)
+    _add_engine_args(p)
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=cmd_synthesize)
 

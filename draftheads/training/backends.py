@@ -208,3 +208,34 @@ class VLLMBackend:
 
 
 ENGINES = ("draftheads", "vllm")
+
+
+def make_backend(engine: str, target, out: Path, batch_size: int, max_seq_len: int | None = None, seed: int = 0,
+                 vllm: dict | None = None, capture: tuple[int, ...] = (), feature_dtype=None):
+    """(backend, tokenizer, target name, dtype name) for a command writing ``out``. ``target``: a loaded
+    Target (``draftheads``) or the target spec (``vllm``: only its tokenizer and config load here, vLLM loads
+    the weights in its own environment; ``vllm`` holds :class:`VLLMBackend` options)."""
+    if engine not in ENGINES:
+        raise DraftheadsError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if engine == "draftheads":
+        backend = EngineBackend(target, batch_size, max_seq_len, capture=capture, feature_dtype=feature_dtype)
+        return backend, target.tokenizer, target.info.name, str(target.info.dtype).replace("torch.", "")
+    from transformers import AutoConfig
+
+    from draftheads.targets import load_tokenizer, resolve_target, target_eos_ids, vllm_target_dir
+
+    spec, opts = str(target), dict(vllm or {})
+    path = Path(resolve_target(spec))
+    tok = load_tokenizer(spec)
+    cfg = AutoConfig.from_pretrained(path)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    positions = getattr(cfg, "max_position_embeddings", 2048)
+    max_seq_len = min(2048, positions) if max_seq_len is None else max_seq_len
+    if not 2 <= max_seq_len <= positions:
+        raise DraftheadsError(f"max sequence length {max_seq_len} must be in [2, {positions}] (the target's context)")
+    model_dir = vllm_target_dir(path, out.with_name(f".{out.name}.vllm-target"))
+    known = ("python", "dtype", "tensor_parallel_size", "data_parallel_size", "runner")
+    backend = VLLMBackend(model_dir, set(target_eos_ids(path, tok)), max_seq_len, seed=seed,
+                          log=out.with_name(out.name + ".vllm.log"), chunk_size=max(batch_size, 1) * 32,
+                          **{k: v for k, v in opts.items() if k in known})
+    return backend, tok, spec, opts.get("dtype", "float32")

@@ -115,7 +115,7 @@ def distill(
     ``engine``: ``draftheads`` (``target`` a loaded Target) or ``vllm`` (``target`` the target spec: only its
     tokenizer loads here; ``vllm`` holds :class:`~draftheads.training.backends.VLLMBackend` options such as
     ``python``, ``dtype``, ``tensor_parallel_size``, ``data_parallel_size``)."""
-    from draftheads.training.backends import ENGINES
+    from draftheads.training.backends import ENGINES, make_backend
 
     SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)  # validates
     if engine not in ENGINES:
@@ -128,44 +128,18 @@ def distill(
     with exclusive(out), (exclusive(feature_dir, "--feature-dir") if feature_dir is not None else nullcontext()):
         if out.exists():  # a run that held the lock finished meanwhile
             raise DraftheadsError(f"--out {str(out)!r} was just written by another run: choose another path")
-        if engine == "vllm":
-            backend, tok, name, dtype = _vllm_backend(str(target), out, batch_size, max_seq_len, seed, vllm or {})
-        else:
-            from draftheads.training.backends import EngineBackend
-
+        layers = ()
+        if engine != "vllm":
             layers = check_layer_ids(features, target.info.num_layers, "--features") if features is not None else ()
             if features is not None and not layers:
                 raise DraftheadsError("--features names no layer: give ids like 2,15,27,30, or eagle3")
-            backend = EngineBackend(target, batch_size, max_seq_len, capture=layers, feature_dtype=feature_dtype)
-            tok, name, dtype = target.tokenizer, target.info.name, str(target.info.dtype).replace("torch.", "")
+        backend, tok, name, dtype = make_backend(engine, target, out, batch_size, max_seq_len, seed, vllm,
+                                                 capture=layers, feature_dtype=feature_dtype)
         try:
             return _distill(backend, tok, name, dtype, engine, prompts, out, max_new_tokens, temperature, batch_size,
                             seed, top_p, features, feature_dir, val_fraction, shard_rows, feature_dtype, progress)
         finally:
             backend.close()
-
-
-def _vllm_backend(spec: str, out: Path, batch_size: int, max_seq_len: int | None, seed: int, opts: dict):
-    from transformers import AutoConfig
-
-    from draftheads.targets import load_tokenizer, resolve_target, target_eos_ids, vllm_target_dir
-    from draftheads.training.backends import VLLMBackend
-
-    path = Path(resolve_target(spec))
-    tok = load_tokenizer(spec)
-    cfg = AutoConfig.from_pretrained(path)
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    positions = getattr(cfg, "max_position_embeddings", 2048)
-    max_seq_len = min(2048, positions) if max_seq_len is None else max_seq_len
-    if not 2 <= max_seq_len <= positions:
-        raise DraftheadsError(f"max sequence length {max_seq_len} must be in [2, {positions}] (the target's context)")
-    model_dir = vllm_target_dir(path, out.with_name(f".{out.name}.vllm-target"))
-    dtype = opts.get("dtype", "float32")
-    backend = VLLMBackend(model_dir, set(target_eos_ids(path, tok)), max_seq_len, seed=seed,
-                          log=out.with_name(out.name + ".vllm.log"), chunk_size=max(batch_size, 1) * 32,
-                          **{k: v for k, v in opts.items() if k in ("python", "dtype", "tensor_parallel_size",
-                                                                     "data_parallel_size", "runner")})
-    return backend, tok, spec, dtype
 
 
 def _distill(backend, tok, name, dtype, engine, prompts, out: Path, max_new_tokens, temperature, batch_size, seed,

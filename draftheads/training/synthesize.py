@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftheads.errors import DraftheadsError
-from draftheads.inference.batching import ContinuousBatcher, Conversation
-from draftheads.inference.engine import Engine
+from draftheads.inference.batching import Conversation
 from draftheads.inference.sampling import SamplingParams
 from draftheads.prompts import render_chat
 from draftheads.utils import (
@@ -198,12 +197,10 @@ def user_prefix(tokenizer, history: list[dict], name: str = "target") -> str:
 
 
 class Synthesizer:
-    def __init__(self, target, config: SynthConfig):
-        self.target, self.cfg = target, config
-        self.tok = target.tokenizer
-        user_prefix(self.tok, [], target.info.name)  # fails early without a chat template
-        self.engine = Engine(target.model, self.tok)
-        self.batcher = ContinuousBatcher(self.engine, config.batch_size)
+    def __init__(self, backend, tokenizer, name: str, config: SynthConfig):
+        """``backend``: the engine writing the text (:mod:`draftheads.training.backends`)."""
+        self.backend, self.tok, self.name, self.cfg = backend, tokenizer, name, config
+        user_prefix(self.tok, [], name)  # fails early without a chat template
 
     def _generate(self, texts: list[str], max_new: list[int], seed: int, temperature=None) -> list[tuple[str, bool]]:
         """(continuation, finished) per rendered text, each with its own token budget, in one batched run."""
@@ -212,7 +209,7 @@ class Synthesizer:
                               SamplingParams(temperature=t, top_p=self.cfg.top_p, max_new_tokens=n, seed=seed + i))
                  for i, (x, n) in enumerate(zip(texts, max_new))]
         out: dict[int, tuple[str, bool]] = {}
-        for f in self.batcher.run(convs):
+        for f in self.backend.run(convs):
             out[f.key] = (self.tok.decode(f.answers[0], skip_special_tokens=True), not f.truncated[0])
         return [out[i] for i in range(len(texts))]
 
@@ -223,7 +220,7 @@ class Synthesizer:
 
     def round(self, r: int, wanted: dict[str, int]) -> list[dict]:
         """Candidates of round ``r`` for domains still short of their quota: [{domain, turns, finished}]."""
-        cfg, name = self.cfg, self.target.info.name
+        cfg, name = self.cfg, self.name
         rng = random.Random(cfg.seed * 1_000_003 + r)
         seed = (cfg.seed * 1_000_003 + r * 10_007) % (1 << 30)
         live = [d for d in cfg.domains if wanted[d] > 0]
@@ -271,25 +268,36 @@ class Synthesizer:
         return rng.choice(TRANSLATION_TEMPLATES).format(lang=rng.choice(LANGUAGES), s=text)
 
 
-def synthesize(target, out: str | os.PathLike, config: SynthConfig | None = None, progress=print) -> Path:
+def synthesize(target, out: str | os.PathLike, config: SynthConfig | None = None, progress=print,
+               engine: str = "draftheads", vllm: dict | None = None) -> Path:
     """Write ``config.num_prompts`` target-written prompts to ``out``; see the module docstring. One run
-    at a time writes ``out`` (a second stops with one line)."""
+    at a time writes ``out`` (a second stops with one line). ``engine``/``vllm``: who writes the text, as
+    for :func:`~draftheads.training.distill.distill` (``target`` is the spec for ``vllm``)."""
+    from draftheads.training.backends import make_backend
+
     out = Path(out)
+    cfg = config or SynthConfig()
     with exclusive(out):
-        return _synthesize(target, out, config or SynthConfig(), progress)
+        if out.exists():
+            raise DraftheadsError(f"--out {str(out)!r} already exists: remove it, or choose another path")
+        backend, tok, name, _ = make_backend(engine, target, out, cfg.batch_size, seed=cfg.seed, vllm=vllm)
+        try:
+            return _synthesize(backend, tok, name, engine, out, cfg, progress)
+        finally:
+            backend.close()
 
 
-def _synthesize(target, out: Path, cfg: SynthConfig, progress) -> Path:
-    if out.exists():
-        raise DraftheadsError(f"--out {str(out)!r} already exists: remove it, or choose another path")
+def _synthesize(backend, tok, name: str, engine: str, out: Path, cfg: SynthConfig, progress) -> Path:
     partial, meta = out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json")
     settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}
-    settings["target"] = target.info.name
+    settings["target"] = name
+    if engine != "draftheads":
+        settings["engine"] = engine
     state = {"settings": settings, "round": 0, "stats": {}}
     if meta.is_file():
         state = json.loads(meta.read_text())
         refuse_changed_settings(state["settings"], settings, partial)
-    synth = Synthesizer(target, cfg)
+    synth = Synthesizer(backend, tok, name, cfg)
     dedup = Deduper(cfg.dedup_threshold)
     kept = read_jsonl_prefix(partial)
     kept = kept[: state.get("kept", len(kept))]  # lines past the last finished round are redone
@@ -334,7 +342,7 @@ def _synthesize(target, out: Path, cfg: SynthConfig, progress) -> Path:
                                                           "rejected": stats.rejected})
         atomic_write_json(meta, state)
         progress(f"synthesize: round {r + 1}, kept {len(kept)}/{cfg.num_prompts} "
-                 f"({time.perf_counter() - t0:.0f} s, {synth.batcher.tokens_generated} tokens written)")
+                 f"({time.perf_counter() - t0:.0f} s, {backend.tokens_generated} tokens written)")
     report = diversity_report(kept, stats)
     report["settings"] = settings
     atomic_write_json(out.with_name(out.name + ".stats.json"), report)

@@ -93,3 +93,20 @@ def test_the_root_cause_of_a_failed_vllm_run_is_quoted():
                "  Value error, Model Runner V1 does not support: dspark speculative decoding\n"
     assert last_error(pydantic).endswith("Model Runner V1 does not support: dspark speculative decoding")
     assert last_error("all fine") is None
+
+
+def test_synthesize_through_the_fake_runner_writes_the_engines_prompts(tiny_llama_dir, tmp_path, monkeypatch):
+    from draftheads.training.synthesize import SynthConfig, synthesize
+
+    d = tmp_path / "tiny"
+    shutil.copytree(tiny_llama_dir, d)
+    vocab = load_target(str(d)).info.vocab_size
+    # a random model rarely ends a turn: let a third of its vocabulary end one (on disk: both engines read it)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(2, vocab, 3))}))
+    monkeypatch.setattr("draftheads.training.synthesize.is_request", lambda t: True)
+    cfg = SynthConfig(num_prompts=4, domains=("chat", "summarization"), round_size=6, max_prompt_tokens=12,
+                      passage_tokens=16, answer_tokens=8, min_words=1, multi_turn=0.5, batch_size=4)
+    ours = synthesize(load_target(str(d)), tmp_path / "ours.jsonl", cfg, progress=lambda m: None)
+    theirs = synthesize(str(d), tmp_path / "vllm.jsonl", cfg, progress=lambda m: None, engine="vllm",
+                        vllm={"python": sys.executable, "runner": str(FAKE)})
+    assert ours.read_text() == theirs.read_text() and len(ours.read_text().splitlines()) == 4
