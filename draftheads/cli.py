@@ -72,9 +72,11 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", default="draftheads", choices=["draftheads", "vllm"],
+    from draftheads.training.backends import DEFAULT_VLLM_PYTHON, ENGINES
+
+    p.add_argument("--engine", default=ENGINES[0], choices=list(ENGINES),
                    help="who writes the text: the project's engine (with features) or vLLM (text only)")
-    p.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="python of vLLM's environment")
+    p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="python of vLLM's environment")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor parallelism")
     p.add_argument("--data-parallel-size", type=int, default=1, help="vLLM data parallelism")
 
@@ -159,6 +161,7 @@ def cmd_generate(args) -> int:
 
 def cmd_distill(args) -> int:
     from draftheads.prompts import load_prompts
+    from draftheads.training.backends import check_engine
     from draftheads.training.distill import check_distill, distill
 
     _sampling(args)
@@ -166,9 +169,7 @@ def cmd_distill(args) -> int:
                                                                limit_per_domain=args.limit_per_domain)]
     check_distill(prompts, args.out, args.batch_size, args.features, args.feature_dir, args.val_fraction)
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    if args.engine == "vllm" and args.features:
-        raise DraftheadsError("--engine vllm writes the answers' text only: drop --features/--feature-dir and "
-                              "compute features with `draftheads cache-features` (or train online)")
+    check_engine(args.engine, args.features)
     target, opts = _engine_target(args)  # vllm: only the tokenizer loads here, vLLM loads the weights
     torch_threads(args)
     layers = feature_layers(args.features, target.info.num_layers, "--features") if args.features else None

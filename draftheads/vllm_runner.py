@@ -23,7 +23,7 @@ import sys
 import time
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="float32")
@@ -31,9 +31,20 @@ def main() -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--data-parallel-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    proto = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol channel
-    os.dup2(2, 1)  # everything vLLM prints goes to stderr
+    return p.parse_args(argv)
+
+
+def protocol_channel():
+    """The original stdout as the protocol's line-buffered channel; fd 1 then points at stderr, so
+    everything libraries print goes there."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    return proto
+
+
+def main() -> None:
+    args = parse_args()
+    proto = protocol_channel()
 
     import vllm
     from vllm import LLM, SamplingParams

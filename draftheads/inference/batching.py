@@ -37,6 +37,19 @@ class Conversation:
     params: SamplingParams
 
 
+def check_first_prompt(conv: Conversation, max_seq_len: int) -> list[int]:
+    """The conversation's first prompt, refused when empty or not below ``max_seq_len`` tokens."""
+    if not conv.segments or not conv.segments[0]:
+        raise DraftheadsError(f"conversation {conv.key!r} has an empty prompt")
+    first = conv.segments[0]
+    if len(first) >= max_seq_len:
+        raise DraftheadsError(
+            f"prompt {conv.key!r} has {len(first)} tokens, not below the max sequence length "
+            f"{max_seq_len}: raise --max-seq-len or shorten the prompt"
+        )
+    return first
+
+
 @dataclass
 class Finished:
     key: object
@@ -137,14 +150,7 @@ class ContinuousBatcher:
     # ------------------------------------------------------------------ per row
 
     def _admit(self, conv: Conversation, rid: int, cache: PagedKVCache, region: range) -> _Row:
-        if not conv.segments or not conv.segments[0]:
-            raise DraftheadsError(f"conversation {conv.key!r} has an empty prompt")
-        first = conv.segments[0]
-        if len(first) >= self.max_seq_len:
-            raise DraftheadsError(
-                f"prompt {conv.key!r} has {len(first)} tokens, not below the max sequence length "
-                f"{self.max_seq_len}: raise --max-seq-len or shorten the prompt"
-            )
+        first = check_first_prompt(conv, self.max_seq_len)
         state = self.engine.request_state(rid, first, conv.params)
         cache.add(rid, region)  # a contiguous region per row: attention reads its K/V without a gather
         return _Row(conv, state, region, list(first), answer_start=len(first), mask=[0] * len(first))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftheads.errors import DraftheadsError
-from draftheads.inference.batching import Conversation, Finished
+from draftheads.inference.batching import Conversation, Finished, check_first_prompt
 
 RUNNER = Path(__file__).resolve().parents[1] / "vllm_runner.py"
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
@@ -151,13 +151,7 @@ class VLLMBackend:
     def _run_chunk(self, conversations: list[Conversation]) -> Iterator[Finished]:
         live = []
         for conv in conversations:
-            first = conv.segments[0]
-            if not conv.segments or not first:
-                raise DraftheadsError(f"conversation {conv.key!r} has an empty prompt")
-            if len(first) >= self.max_seq_len:
-                raise DraftheadsError(
-                    f"prompt {conv.key!r} has {len(first)} tokens, not below the max sequence length "
-                    f"{self.max_seq_len}: raise --max-seq-len or shorten the prompt")
+            first = check_first_prompt(conv, self.max_seq_len)
             live.append({"conv": conv, "tokens": list(first), "mask": [0] * len(first), "turn": 0,
                          "answers": [], "truncated": []})
         stop = sorted(self.eos)
@@ -210,13 +204,21 @@ class VLLMBackend:
 ENGINES = ("draftheads", "vllm")
 
 
+def check_engine(engine: str, features) -> None:
+    """``--engine`` and what it can write: vLLM writes text only."""
+    if engine not in ENGINES:
+        raise DraftheadsError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if engine == "vllm" and features:
+        raise DraftheadsError("--engine vllm writes the answers' text only: drop --features/--feature-dir and compute "
+                              "features with `draftheads cache-features` (or train online)")
+
+
 def make_backend(engine: str, target, out: Path, batch_size: int, max_seq_len: int | None = None, seed: int = 0,
                  vllm: dict | None = None, capture: tuple[int, ...] = (), feature_dtype=None):
     """(backend, tokenizer, target name, dtype name) for a command writing ``out``. ``target``: a loaded
     Target (``draftheads``) or the target spec (``vllm``: only its tokenizer and config load here, vLLM loads
     the weights in its own environment; ``vllm`` holds :class:`VLLMBackend` options)."""
-    if engine not in ENGINES:
-        raise DraftheadsError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+    check_engine(engine, None)
     if engine == "draftheads":
         backend = EngineBackend(target, batch_size, max_seq_len, capture=capture, feature_dtype=feature_dtype)
         return backend, target.tokenizer, target.info.name, str(target.info.dtype).replace("torch.", "")

@@ -115,14 +115,10 @@ def distill(
     ``engine``: ``draftheads`` (``target`` a loaded Target) or ``vllm`` (``target`` the target spec: only its
     tokenizer loads here; ``vllm`` holds :class:`~draftheads.training.backends.VLLMBackend` options such as
     ``python``, ``dtype``, ``tensor_parallel_size``, ``data_parallel_size``)."""
-    from draftheads.training.backends import ENGINES, make_backend
+    from draftheads.training.backends import check_engine, make_backend
 
     SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)  # validates
-    if engine not in ENGINES:
-        raise DraftheadsError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
-    if engine == "vllm" and features is not None:
-        raise DraftheadsError("--engine vllm writes the answers' text only: drop --features/--feature-dir and compute "
-                              "features with `draftheads cache-features` (or train online)")
+    check_engine(engine, features)
     check_distill(prompts, out, batch_size, features, feature_dir, val_fraction)
     out = Path(out)
     with exclusive(out), (exclusive(feature_dir, "--feature-dir") if feature_dir is not None else nullcontext()):

@@ -49,6 +49,16 @@ def shift_left(x: torch.Tensor, d: int, fill=0) -> torch.Tensor:
 # ----------------------------------------------------------------------------- chunked torch path
 
 
+def _chunk_logits(pairs, s: int, chunk: int) -> torch.Tensor:
+    """float32 logits [chunk, V] of rows s .. s + chunk: sum_i h_i @ w_i.T over the (input, weight) pairs
+    (.float() copies only low precision)."""
+    logits = None
+    for h, w in pairs:
+        part = h[s : s + chunk] @ w.T
+        logits = part if logits is None else logits.add_(part)
+    return logits.float()
+
+
 def _chunked_forward(ctx, pairs, chunk: int, denom: float, loss_and_dlogits, n_extra: int, need=None):
     """Shared forward of the fused functions. Logits are ``sum_i h_i @ w_i.T`` over ``pairs`` of
     (input [N, H_i], weight [V, H_i]) -- one pair, or a second one for a low-rank bias; per chunk of rows,
@@ -65,11 +75,7 @@ def _chunked_forward(ctx, pairs, chunk: int, denom: float, loss_and_dlogits, n_e
     n = pairs[0][0].shape[0]
     total = torch.zeros((), dtype=torch.float32, device=pairs[0][0].device)
     for s in range(0, n, chunk):
-        logits = None
-        for h, w in pairs:
-            part = h[s : s + chunk] @ w.T
-            logits = part if logits is None else logits.add_(part)
-        loss, g = loss_and_dlogits(s, logits.float())  # logits [chunk, V]; .float() copies only low precision
+        loss, g = loss_and_dlogits(s, _chunk_logits(pairs, s, chunk))
         total += loss
         g = g.div_(denom)
         for i, (h, w) in enumerate(pairs):
@@ -127,11 +133,7 @@ def _chunked_loss_only(pairs, chunk: int, denom: float, loss_and_dlogits):
     n = pairs[0][0].shape[0]
     total = torch.zeros((), dtype=torch.float32, device=pairs[0][0].device)
     for s in range(0, n, chunk):
-        logits = None
-        for h, w in pairs:
-            part = h[s : s + chunk] @ w.T
-            logits = part if logits is None else logits.add_(part)
-        total += loss_and_dlogits(s, logits.float())[0]
+        total += loss_and_dlogits(s, _chunk_logits(pairs, s, chunk))[0]
     return total / denom
 
 

@@ -2,23 +2,15 @@
 own engine (greedy or seeded sampling), and answering like vLLM does for ``stop_token_ids``: the stop token
 is left out of ``token_ids`` and given as ``stop_reason``."""
 
-import argparse
 import json
-import os
 import sys
+
+from draftheads.vllm_runner import parse_args, protocol_channel
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
+    args = parse_args()
+    proto = protocol_channel()
 
     from draftheads.inference.engine import Engine
     from draftheads.inference.sampling import SamplingParams

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from _blocks import block_batch
 
 from draftheads.errors import DraftheadsError
 from draftheads.targets import hidden_states
@@ -20,20 +21,8 @@ def module(tiny_llama_dir):
     return m.train()
 
 
-def _batch(t=24, vocab=300):
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, vocab, (2, t), generator=g)
-    loss_mask = torch.zeros(2, t, dtype=torch.long)
-    loss_mask[:, 6:] = 1
-    doc_ids = torch.zeros(2, t, dtype=torch.long)
-    doc_ids[1, 14:] = 1  # the second row packs two documents
-    pos = torch.arange(t).repeat(2, 1)
-    pos[1, 14:] = torch.arange(t - 14)
-    return {"input_ids": ids, "loss_mask": loss_mask, "doc_ids": doc_ids, "position_ids": pos}
-
-
 def test_anchors_lie_before_trained_tokens_of_the_same_document():
-    b = _batch()
+    b = block_batch()
     a = sample_anchors(b["loss_mask"], b["doc_ids"], 50, torch.Generator().manual_seed(0))
     for r in range(2):
         got = [x for x in a[r].tolist() if x >= 0]
@@ -44,7 +33,7 @@ def test_anchors_lie_before_trained_tokens_of_the_same_document():
 
 
 def test_loss_equals_a_block_by_block_reference(module):
-    batch = _batch()
+    batch = block_batch()
     loss, _, accs = module.compute_loss(batch)
     head, cfg = module.head, module.head.config
     n = module.info.num_layers
@@ -102,7 +91,7 @@ def test_dpace_weights_by_hand():
 def test_dpace_loss_is_the_confidence_weighted_cross_entropy(module):
     """With position_weighting dpace, each draft's CE rows are weighted by dpace_weights of the draft's own
     confidences exp(-CE) (computed per block), instead of exp(-(k - 1) / B)."""
-    batch = _batch()
+    batch = block_batch()
     hp = module.hparams
     hp.position_weighting, hp.loss = "dpace", "ce"
     try:

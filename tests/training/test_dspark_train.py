@@ -1,6 +1,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from _blocks import block_batch
 
 from draftheads.errors import DraftheadsError
 from draftheads.targets import hidden_states
@@ -19,22 +20,10 @@ def module(request, tiny_llama_dir):
     return m.train()
 
 
-def _batch(t=24, vocab=300):
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, vocab, (2, t), generator=g)
-    loss_mask = torch.zeros(2, t, dtype=torch.long)
-    loss_mask[:, 6:] = 1
-    doc_ids = torch.zeros(2, t, dtype=torch.long)
-    doc_ids[1, 14:] = 1
-    pos = torch.arange(t).repeat(2, 1)
-    pos[1, 14:] = torch.arange(t - 14)
-    return {"input_ids": ids, "loss_mask": loss_mask, "doc_ids": doc_ids, "position_ids": pos}
-
-
 def test_loss_equals_a_block_by_block_reference(module):
     """Each block alone, full logits: 0.1 CE + 0.9 TV + 0.2 KL of q = softmax(h W^T + Markov bias of the
     data's previous token) against the target, plus the BCE of the confidence against sum_x min(p, q)."""
-    batch = _batch()
+    batch = block_batch()
     loss, _, accs = module.compute_loss(batch)
     head, cfg = module.head, module.head.config
     n = module.info.num_layers
@@ -103,10 +92,10 @@ def test_validation_accumulates_the_confidence_calibration(module):
     try:
         module.on_validation_epoch_start()
         with torch.no_grad():
-            module.compute_loss(_batch())
+            module.compute_loss(block_batch())
         bins = module._calibration
         cfg = module.head.config
-        blocks = module.block_forward(_batch())
+        blocks = module.block_forward(block_batch())
         assert int(bins[0].sum()) == int(blocks.valid.sum())  # one calibration sample per trained draft
         assert 0 <= expected_calibration_error(bins) <= 1
     finally:

@@ -109,9 +109,9 @@ class DFlashProposer(FollowingProposer):
         before it [n] -> [n or 1, V'] (DFlash's positions do not depend on the token before)."""
         return (hidden @ self.head.projection(self.lm_head).to(hidden.dtype).T)[None].float()
 
-    def survival_cut(self, hidden: torch.Tensor, prev: int) -> float:
-        """Estimated probability that this position's draft is accepted once the ones before it were
-        (1 without a confidence estimate: nothing is trimmed)."""
+    def survival_cut(self, hidden: torch.Tensor, prev: torch.Tensor) -> float:
+        """Estimated probability that this position's draft is accepted once the ones before it were,
+        given the target id of the token before it (prev [1]); 1 without a confidence estimate."""
         return 1.0
 
     @torch.no_grad()
@@ -129,11 +129,15 @@ class DFlashProposer(FollowingProposer):
         frontier: list[int] = []  # pool indices of the nodes expanded at this depth (the root: none)
         survival = 1.0
         for d in range(out.shape[0]):
-            prev = [st.root] if not frontier else self._target_ids([pool[i].token for i in frontier])
-            survival *= self.survival_cut(out[d], prev[0])  # along the best path
+            # target ids of the frontier's tokens (the best first), on the device, for the Markov bias
+            if frontier:
+                prev = self.head.to_target_ids(torch.tensor([pool[i].token for i in frontier], device=out.device))
+            else:
+                prev = torch.tensor([st.root], device=out.device)
+            survival *= self.survival_cut(out[d], prev[:1])  # along the best path
             if survival < self.min_survival:
                 break
-            logp = torch.log_softmax(self.logits(out[d], torch.tensor(prev, device=out.device)), -1)
+            logp = torch.log_softmax(self.logits(out[d], prev), -1)
             top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
             values, indices = top.values.tolist(), top.indices.tolist()
             cands = []
@@ -153,12 +157,9 @@ class DFlashProposer(FollowingProposer):
         """A chain drawn left to right from the head's distributions under the request's sampling
         parameters, each draft's q kept so verification runs the rejection walk."""
         step = lambda d, prev: self.logits(out[d], torch.tensor([prev], device=out.device))[0]  # noqa: E731
-        cut = lambda d, prev: self.survival_cut(out[d], prev)  # noqa: E731
+        cut = lambda d, prev: self.survival_cut(out[d], torch.tensor([prev], device=out.device))  # noqa: E731
         return sample_chain(st.root, out.shape[0], step, st.params, st.generator, self._scatter, cut,
                             self.min_survival)
-
-    def _target_ids(self, head_ids: list[int]) -> list[int]:
-        return self.head.to_target_ids(torch.tensor(head_ids, device=self.lm_head.device)).tolist()
 
     def _scatter(self, probs: torch.Tensor) -> torch.Tensor:
         """Head-vocabulary probabilities [V'] -> target-vocabulary probabilities [V]."""

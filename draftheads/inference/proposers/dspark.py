@@ -32,8 +32,7 @@ class DSparkProposer(DFlashProposer):
         x = self.head.markov_inputs(hidden.expand(prev.shape[0], -1), prev)
         return (x @ self._weight.T).float()
 
-    def survival_cut(self, hidden: torch.Tensor, prev: int) -> float:
+    def survival_cut(self, hidden: torch.Tensor, prev: torch.Tensor) -> float:
         if not self.head.config.confidence_head:
             return 1.0
-        prev_t = torch.tensor([prev], device=hidden.device)
-        return float(torch.sigmoid(self.head.confidence_logit(hidden[None], prev_t))[0])
+        return float(torch.sigmoid(self.head.confidence_logit(hidden[None], prev))[0])
