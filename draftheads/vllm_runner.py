@@ -10,7 +10,7 @@ Protocol (one JSON object per line; library output goes to stderr, the protocol 
 
 * runner -> client, once: ``{"ready": true, "vllm_version": "..."}``
 * client -> runner, one line per round: ``{"round": r, "requests": [{"key", "prompt_token_ids",
-  "max_tokens", "temperature", "top_p", "seed", "stop_token_ids"}, ...]}``
+  "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids"}, ...]}``
 * runner -> client: one ``{"key", "token_ids", "finish_reason", "stop_reason"}`` per request, then
   ``{"round_done": r, "seconds": s, "tokens": n}``
 * end of input: the runner exits.
@@ -66,7 +66,7 @@ def main() -> None:
         t0 = time.perf_counter()
         prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in reqs]
         params = [SamplingParams(max_tokens=r["max_tokens"], temperature=r["temperature"], top_p=r["top_p"],
-                                 seed=r["seed"], stop_token_ids=r["stop_token_ids"], ignore_eos=False,
+                                 top_k=r.get("top_k", 0), seed=r["seed"], stop_token_ids=r["stop_token_ids"], ignore_eos=False,
                                  skip_special_tokens=True) for r in reqs]
         outs = llm.generate(prompts, params, use_tqdm=False) if reqs else []
         tokens = 0

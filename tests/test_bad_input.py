@@ -195,7 +195,7 @@ CASES = [
     ("temperature-negative", lambda e, d: {}, GEN + ["--temperature", "-1"], "temperature"),
     ("top-p-zero", lambda e, d: {}, GEN + ["--top-p", "0"], "top_p"),
     ("top-k-negative", lambda e, d: {}, GEN + ["--top-k", "-3"], "top_k"),
-    ("max-new-tokens-zero", lambda e, d: {}, ["generate", "--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+    ("max-new-tokens-zero", lambda e, d: {}, ["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
     ("tree-too-large", lambda e, d: {}, GEN + ["--proposer", "ngram", "--tree", "chain100000"], "128"),
     ("tree-ngram-branching", lambda e, d: {}, GEN + ["--proposer", "ngram", "--tree", "small"], "chains"),
     ("tree-medusa-too-deep", lambda e, d: {"t": _medusa_tree(d)}, GEN + ["--head", "{medusa}", "--tree", "{t}"],

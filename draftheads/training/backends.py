@@ -161,7 +161,7 @@ class VLLMBackend:
                 sp = row["conv"].params
                 budget = min(sp.max_new_tokens, self.max_seq_len - len(row["tokens"]))
                 reqs.append({"key": str(row["conv"].key), "prompt_token_ids": row["tokens"], "max_tokens": budget,
-                             "temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed,
+                             "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "seed": sp.seed,
                              "stop_token_ids": stop})
             results = self.generate(reqs)
             still = []

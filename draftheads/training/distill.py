@@ -105,7 +105,7 @@ def check_distill(prompts: list[Prompt], out, batch_size: int, features, feature
 
 def distill(
     target, prompts: list[Prompt], out: str | os.PathLike, max_new_tokens: int = 256, temperature: float = 0.0,
-    batch_size: int = 32, seed: int = 0, top_p: float = 1.0, max_seq_len: int | None = None,
+    batch_size: int = 32, seed: int = 0, top_p: float = 1.0, top_k: int = 0, max_seq_len: int | None = None,
     features=None, feature_dir: str | os.PathLike | None = None, val_fraction: float = 0.05,
     shard_rows: int = 64, feature_dtype=torch.bfloat16, progress=print, engine: str = "draftheads",
     vllm: dict | None = None,
@@ -117,7 +117,7 @@ def distill(
     ``python``, ``dtype``, ``tensor_parallel_size``, ``data_parallel_size``)."""
     from draftheads.training.backends import check_engine, make_backend
 
-    SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)  # validates
+    SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed)
     check_engine(engine, features)
     check_distill(prompts, out, batch_size, features, feature_dir, val_fraction)
     out = Path(out)
@@ -133,19 +133,22 @@ def distill(
                                                  capture=layers, feature_dtype=feature_dtype)
         try:
             return _distill(backend, tok, name, dtype, engine, prompts, out, max_new_tokens, temperature, batch_size,
-                            seed, top_p, features, feature_dir, val_fraction, shard_rows, feature_dtype, progress)
+                            seed, top_p, top_k, features, feature_dir, val_fraction, shard_rows, feature_dtype,
+                            progress)
         finally:
             backend.close()
 
 
 def _distill(backend, tok, name, dtype, engine, prompts, out: Path, max_new_tokens, temperature, batch_size, seed,
-             top_p, features, feature_dir, val_fraction, shard_rows, feature_dtype, progress) -> Path:
+             top_p, top_k, features, feature_dir, val_fraction, shard_rows, feature_dtype, progress) -> Path:
     layers = tuple(getattr(backend, "capture", ()))
     settings = {"target": name, "prompts": _prompts_digest(prompts), "max_new_tokens": max_new_tokens,
                 "temperature": temperature, "top_p": top_p, "seed": seed, "max_seq_len": backend.max_seq_len,
                 "dtype": dtype, "val_fraction": val_fraction}
     if engine != "draftheads":
         settings["engine"] = engine  # a resume keeps its engine (older partial files name none: the project's)
+    if top_k:
+        settings["top_k"] = top_k  # likewise: older partial files sampled from the whole vocabulary
     partial = out.with_name(out.name + ".partial")
     meta = out.with_name(out.name + ".partial.json")
     if meta.is_file():
@@ -173,7 +176,7 @@ def _distill(backend, tok, name, dtype, engine, prompts, out: Path, max_new_toke
     def conversations():
         for p in todo:
             segs = turn_segments(tok, p.turns, eos, name)
-            sp = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+            sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                 seed=(seed + _stable_int(p.id)) % (1 << 31))
             yield Conversation(p.id, segs, sp)
 

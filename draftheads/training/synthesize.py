@@ -151,6 +151,7 @@ class SynthConfig:
     """Fraction of chat/code/qa/math prompts that get a follow-up turn."""
     temperature: float = 1.0
     top_p: float = 0.95
+    top_k: int = 0
     max_prompt_tokens: int = 160
     """Longest user turn written (longer candidates are unfinished and dropped)."""
     passage_tokens: int = 120
@@ -175,7 +176,8 @@ class SynthConfig:
             raise DraftheadsError("--round-size and --batch-size must be >= 1")
         if not 0 < self.dedup_threshold <= 1:
             raise DraftheadsError(f"--dedup-threshold {self.dedup_threshold} must be in (0, 1]")
-        SamplingParams(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_prompt_tokens)
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                       max_new_tokens=self.max_prompt_tokens)
 
 
 @dataclass
@@ -206,7 +208,8 @@ class Synthesizer:
         """(continuation, finished) per rendered text, each with its own token budget, in one batched run."""
         t = self.cfg.temperature if temperature is None else temperature
         convs = [Conversation(i, [self.tok(x, add_special_tokens=False).input_ids],
-                              SamplingParams(temperature=t, top_p=self.cfg.top_p, max_new_tokens=n, seed=seed + i))
+                              SamplingParams(temperature=t, top_p=self.cfg.top_p, top_k=self.cfg.top_k,
+                                             max_new_tokens=n, seed=seed + i))
                  for i, (x, n) in enumerate(zip(texts, max_new))]
         out: dict[int, tuple[str, bool]] = {}
         for f in self.backend.run(convs):
@@ -291,6 +294,8 @@ def _synthesize(backend, tok, name: str, engine: str, out: Path, cfg: SynthConfi
     partial, meta = out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json")
     settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}
     settings["target"] = name
+    if not cfg.top_k:
+        del settings["top_k"]  # partial files from before top_k sampled from the whole vocabulary
     if engine != "draftheads":
         settings["engine"] = engine
     state = {"settings": settings, "round": 0, "stats": {}}

@@ -22,7 +22,7 @@ def main() -> None:
         msg = json.loads(line)
         for r in msg["requests"]:
             engine = Engine(model, eos_token_ids=r["stop_token_ids"])
-            sp = SamplingParams(temperature=r["temperature"], top_p=r["top_p"], seed=r["seed"],
+            sp = SamplingParams(temperature=r["temperature"], top_p=r["top_p"], top_k=r["top_k"], seed=r["seed"],
                                 max_new_tokens=r["max_tokens"])
             (out,) = engine.generate([r["prompt_token_ids"]], sp)
             ids, reason = list(out.token_ids), out.finish_reason

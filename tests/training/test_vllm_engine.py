@@ -65,6 +65,22 @@ def test_fake_runner_gives_the_engines_conversations(target_dir, tmp_path, max_n
                    for r in a.values() for ans, t in zip(r["answers"], r["truncated"]))
 
 
+def test_top_k_reaches_both_engines(target_dir, tmp_path):
+    """T = 1 with top_k = 1 samples the argmax: the greedy records, through either engine; without top_k the
+    same seed samples other answers (so a dropped top_k cannot pass)."""
+    kw = {"max_new_tokens": 6, "batch_size": 3, "progress": lambda m: None}
+    vllm = {"python": sys.executable, "runner": str(FAKE)}
+    target = load_target(str(target_dir))
+    greedy = _records(distill(target, PROMPTS, tmp_path / "greedy.jsonl", **kw))
+    ours = _records(distill(target, PROMPTS, tmp_path / "ours.jsonl", temperature=1.0, top_k=1, **kw))
+    theirs = _records(distill(str(target_dir), PROMPTS, tmp_path / "vllm.jsonl", temperature=1.0, top_k=1,
+                              engine="vllm", vllm=vllm, **kw))
+    sampled = _records(distill(target, PROMPTS, tmp_path / "t1.jsonl", temperature=1.0, **kw))
+    answers = lambda recs: {k: r["answers"] for k, r in recs.items()}  # noqa: E731
+    assert answers(ours) == answers(greedy) == answers(theirs)
+    assert answers(sampled) != answers(greedy)
+
+
 def test_a_resume_keeps_its_engine_and_vllm_takes_no_features(target_dir, tmp_path):
     out = tmp_path / "d.jsonl"
     (tmp_path / "d.jsonl.partial").write_text("")
