@@ -105,6 +105,7 @@ def distill(prompts: list[str], out: str, target: TargetOptions, sampling: Sampl
         val_fraction: prompts held out as the cache's val split
     """
     from draftheads.prompts import load_prompts
+    from draftheads.targets import text_config
     from draftheads.training.backends import check_engine
     from draftheads.training.distill import check_distill
     from draftheads.training.distill import distill as run
@@ -112,9 +113,10 @@ def distill(prompts: list[str], out: str, target: TargetOptions, sampling: Sampl
     sampling.params(max_new_tokens)
     rows = [p for f in prompts for p in load_prompts(f, domains=domains, limit_per_domain=limit_per_domain)]
     check_distill(rows, out, batch_size, features, feature_dir, val_fraction)
-    check_engine(engine.engine, features)
+    check_engine(engine.engine)
     model, opts = engine.target(target)  # vllm: only the tokenizer loads here, vLLM loads the weights
-    layers = feature_layers(features, model.info.num_layers, "--features") if features else None
+    num_layers = model.info.num_layers if engine.engine != "vllm" else text_config(target.target).num_hidden_layers
+    layers = feature_layers(features, num_layers, "--features") if features else None
     path = run(model, rows, out, max_new_tokens, sampling.temperature, batch_size, sampling.seed,
                top_p=sampling.top_p, top_k=sampling.top_k, max_seq_len=max_seq_len, features=layers,
                feature_dir=feature_dir, val_fraction=val_fraction,

@@ -176,6 +176,11 @@ class EngineOptions:
     """vLLM tensor parallelism"""
     data_parallel_size: Annotated[int, Flag(low=1)] = 1
     """vLLM data parallelism"""
+    pipeline_parallel_size: Annotated[int, Flag(low=1)] = 1
+    """vLLM pipeline parallelism (layers split across nodes)"""
+    vllm_executor: Annotated[str | None, Flag(choices="draftheads.training.backends:VLLM_EXECUTORS")] = None
+    """vLLM's distributed executor: ray spans the nodes of a running Ray cluster (default: vLLM's choice,
+    processes on this node)"""
 
     def target(self, target: TargetOptions):
         """(target, vLLM options): the loaded target, or for vLLM the spec (vLLM loads the weights)."""
@@ -183,7 +188,9 @@ class EngineOptions:
             return target.load(), None
         return target.target, {"python": self.vllm_python, "dtype": target.dtype,
                                "tensor_parallel_size": self.tensor_parallel_size,
-                               "data_parallel_size": self.data_parallel_size}
+                               "data_parallel_size": self.data_parallel_size,
+                               "pipeline_parallel_size": self.pipeline_parallel_size,
+                               "executor": self.vllm_executor}
 
 
 # --------------------------------------------------------------------------------------------- builder

@@ -351,3 +351,37 @@ def target_eos_ids(path: str | os.PathLike, tokenizer) -> list[int]:
         eos = tokenizer.eos_token_id
     return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
+
+
+def text_config(spec: str):
+    """The target's (text) model config, read without loading weights."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(resolve_target(spec))
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def final_norm(path: str | os.PathLike) -> nn.Module:
+    """The target's final norm alone (fp32, CPU), its weights read from the safetensors files of ``path``.
+
+    vLLM's hidden-state id ``num_layers`` is the residual stream after the last layer, before this norm;
+    the project's id ``num_layers`` is after it (HF ``output_hidden_states``), so captures from vLLM pass
+    through it."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    norm = decoder_parts(model)[2]
+    prefix = next(name for name, m in model.named_modules() if m is norm) + "."
+    wanted = {prefix + k for k in norm.state_dict()}
+    found = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            found.update({k[len(prefix):]: st.get_tensor(k) for k in wanted & set(st.keys())})
+    if len(found) != len(wanted):
+        raise DraftheadsError(f"{path}: the safetensors files lack the final norm ({sorted(wanted)}): "
+                              "the target directory is incomplete")
+    norm.to_empty(device="cpu")
+    norm.load_state_dict(found)
+    return norm.float().eval().requires_grad_(False)

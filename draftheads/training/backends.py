@@ -22,6 +22,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from draftheads.errors import DraftheadsError
 from draftheads.inference.batching import Conversation, Finished, check_first_prompt
 
@@ -76,6 +78,10 @@ class EngineBackend:
         return self.engine.eos
 
     @property
+    def hidden_size(self) -> int:
+        return self.target.info.hidden_size
+
+    @property
     def tokens_generated(self) -> int:
         return self.batcher.tokens_generated
 
@@ -88,13 +94,18 @@ class EngineBackend:
 
 class VLLMBackend:
     """vLLM in its own environment: ``python`` runs :data:`RUNNER` on ``model_dir`` (an HF directory vLLM
-    reads). Conversations advance in rounds, one vLLM ``generate`` per turn index, all rows together."""
+    reads). Conversations advance in rounds, one vLLM ``generate`` per turn index, all rows together.
 
-    captures_features = False
+    With ``capture`` (HF hidden-state ids) vLLM also extracts hidden states: each finished conversation
+    is prefilled once more as a whole, and its features and the target's greedy next tokens come back
+    from vLLM (the last layer through the target's final norm, as the project's id ``num_layers`` is)."""
 
     def __init__(self, model_dir: str | os.PathLike, eos: set[int], max_seq_len: int, python: str = DEFAULT_VLLM_PYTHON,
-                 dtype: str = "float32", tensor_parallel_size: int = 1, data_parallel_size: int = 1, seed: int = 0,
-                 log: str | os.PathLike | None = None, runner: str | os.PathLike = RUNNER, chunk_size: int = 2048):
+                 dtype: str = "float32", tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1, executor: str | None = None, seed: int = 0,
+                 log: str | os.PathLike | None = None, runner: str | os.PathLike = RUNNER, chunk_size: int = 2048,
+                 capture: tuple[int, ...] = (), capture_dir: str | os.PathLike | None = None, num_layers: int = 0,
+                 hidden_size: int = 0, feature_dtype=None):
         """``chunk_size``: conversations taken from the queue at a time; each chunk runs all its turns
         before the next starts, so a killed run loses at most one chunk."""
         if not Path(python).is_file():
@@ -102,9 +113,22 @@ class VLLMBackend:
                                   "`make vllm-check` (it creates .venv-vllm), or point at a python that has vLLM")
         self.eos, self.max_seq_len, self.chunk_size = set(eos), max_seq_len, chunk_size
         self.tokens_generated = 0
+        self.capture, self.hidden_size, self.num_layers = tuple(capture), hidden_size, num_layers
+        self.feature_dtype = feature_dtype
+        # a whole conversation is prefilled for its features, plus the one token vLLM then samples
         cmd = [str(python), str(runner), "--model", str(model_dir), "--dtype", dtype,
-               "--max-model-len", str(max_seq_len), "--tensor-parallel-size", str(tensor_parallel_size),
-               "--data-parallel-size", str(data_parallel_size), "--seed", str(seed)]
+               "--max-model-len", str(max_seq_len + bool(capture)), "--tensor-parallel-size",
+               str(tensor_parallel_size), "--data-parallel-size", str(data_parallel_size),
+               "--pipeline-parallel-size", str(pipeline_parallel_size), "--seed", str(seed)]
+        if executor:
+            cmd += ["--distributed-executor-backend", executor]
+        self.norm = None
+        if capture:
+            from draftheads.targets import final_norm
+
+            self.norm = final_norm(model_dir) if num_layers in capture else None
+            Path(capture_dir).mkdir(parents=True, exist_ok=True)
+            cmd += ["--capture", ",".join(map(str, capture)), "--capture-dir", str(capture_dir)]
         self._log = open(log, "a") if log else None  # noqa: SIM115 (lives as long as the runner)
         # vLLM's CPU build reserves a fraction of host memory unless given a KV-cache size (ignored on GPUs)
         env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ}
@@ -155,6 +179,7 @@ class VLLMBackend:
             live.append({"conv": conv, "tokens": list(first), "mask": [0] * len(first), "turn": 0,
                          "answers": [], "truncated": []})
         stop = sorted(self.eos)
+        done = []
         while live:
             reqs = []
             for row in live:
@@ -187,8 +212,43 @@ class VLLMBackend:
                     row["mask"] += [0] * len(nxt)
                     still.append(row)
                 else:
-                    yield Finished(row["conv"].key, row["tokens"], row["answers"], row["truncated"], row["mask"])
+                    done.append(row)
             live = still
+            yield from self._finish(done)
+            done = []
+
+    @property
+    def captures_features(self) -> bool:
+        return bool(self.capture)
+
+    def _finish(self, rows: list[dict]) -> Iterator[Finished]:
+        """Finished conversations, with their features when capturing (one prefill round for all rows)."""
+        results = {}
+        if self.capture and rows:
+            results = self.generate([{"key": str(r["conv"].key), "prompt_token_ids": r["tokens"], "max_tokens": 1,
+                                      "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "stop_token_ids": [],
+                                      "features": True} for r in rows])
+        for row in rows:
+            key = row["conv"].key
+            features, argmax = {}, None
+            if self.capture:
+                res = results[str(key)]
+                features = self._features(res["hidden_states_path"], row["tokens"], key)
+                argmax = torch.tensor(res["argmax"], dtype=torch.long)
+            yield Finished(key, row["tokens"], row["answers"], row["truncated"], row["mask"], features, argmax)
+
+    def _features(self, path: str, tokens: list[int], key) -> dict:
+        """``{id: [T, hidden]}`` from one of vLLM's hidden-states files (removed once read)."""
+        hidden, ids = read_hidden_states(path)
+        if ids.tolist() != tokens or tuple(hidden.shape[1:]) != (len(self.capture), self.hidden_size):
+            raise DraftheadsError(f"vLLM's hidden states for {key!r} are {tuple(hidden.shape)} over other tokens, "
+                                  f"not [{len(tokens)}, {len(self.capture)}, {self.hidden_size}]: the vLLM "
+                                  "version's extract_hidden_states layout differs")
+        out = {}
+        for j, layer in enumerate(self.capture):
+            h = hidden[:, j].float()
+            out[layer] = (self.norm(h) if layer == self.num_layers else h).to(self.feature_dtype or torch.bfloat16)
+        return out
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -201,16 +261,31 @@ class VLLMBackend:
             self._log.close()
 
 
+def read_hidden_states(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden_states [T, layers, hidden], token_ids [T]) of a file vLLM's hidden-states connector wrote,
+    once its writer has released the file's lock; the file and its lock are removed."""
+    import fcntl
+
+    from safetensors.torch import load_file
+
+    lock = f"{path}.lock"
+    if os.path.exists(lock):
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_SH)  # the writer holds LOCK_EX until the file is complete
+        os.remove(lock)
+    data = load_file(str(path))
+    os.remove(path)
+    return data["hidden_states"], data["token_ids"]
+
+
 ENGINES = ("draftheads", "vllm")
+VLLM_EXECUTORS = ("mp", "ray")
 
 
-def check_engine(engine: str, features) -> None:
-    """``--engine`` and what it can write: vLLM writes text only."""
+def check_engine(engine: str) -> None:
+    """``--engine``: one of :data:`ENGINES`."""
     if engine not in ENGINES:
         raise DraftheadsError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
-    if engine == "vllm" and features:
-        raise DraftheadsError("--engine vllm writes the answers' text only: drop --features/--feature-dir and compute "
-                              "features with `draftheads cache-features` (or train online)")
 
 
 def make_backend(engine: str, target, out: Path, batch_size: int, max_seq_len: int | None = None, seed: int = 0,
@@ -218,26 +293,32 @@ def make_backend(engine: str, target, out: Path, batch_size: int, max_seq_len: i
     """(backend, tokenizer, target name, dtype name) for a command writing ``out``. ``target``: a loaded
     Target (``draftheads``) or the target spec (``vllm``: only its tokenizer and config load here, vLLM loads
     the weights in its own environment; ``vllm`` holds :class:`VLLMBackend` options)."""
-    check_engine(engine, None)
+    check_engine(engine)
     if engine == "draftheads":
         backend = EngineBackend(target, batch_size, max_seq_len, capture=capture, feature_dtype=feature_dtype)
         return backend, target.tokenizer, target.info.name, str(target.info.dtype).replace("torch.", "")
-    from transformers import AutoConfig
-
-    from draftheads.targets import load_tokenizer, resolve_target, target_eos_ids, vllm_target_dir
+    from draftheads.targets import (
+        load_tokenizer,
+        resolve_target,
+        target_eos_ids,
+        text_config,
+        vllm_target_dir,
+    )
 
     spec, opts = str(target), dict(vllm or {})
     path = Path(resolve_target(spec))
     tok = load_tokenizer(spec)
-    cfg = AutoConfig.from_pretrained(path)
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    cfg = text_config(spec)
     positions = getattr(cfg, "max_position_embeddings", 2048)
     max_seq_len = min(2048, positions) if max_seq_len is None else max_seq_len
     if not 2 <= max_seq_len <= positions:
         raise DraftheadsError(f"max sequence length {max_seq_len} must be in [2, {positions}] (the target's context)")
     model_dir = vllm_target_dir(path, out.with_name(f".{out.name}.vllm-target"))
-    known = ("python", "dtype", "tensor_parallel_size", "data_parallel_size", "runner")
+    known = ("python", "dtype", "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "executor",
+             "runner")
     backend = VLLMBackend(model_dir, set(target_eos_ids(path, tok)), max_seq_len, seed=seed,
                           log=out.with_name(out.name + ".vllm.log"), chunk_size=max(batch_size, 1) * 32,
+                          capture=capture, capture_dir=out.with_name(f".{out.name}.hidden-states"),
+                          num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, feature_dtype=feature_dtype,
                           **{k: v for k, v in opts.items() if k in known})
     return backend, tok, spec, opts.get("dtype", "float32")

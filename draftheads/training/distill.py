@@ -30,7 +30,7 @@ from draftheads.errors import DraftheadsError
 from draftheads.inference.batching import Conversation, Finished
 from draftheads.inference.sampling import SamplingParams
 from draftheads.prompts import Prompt, check_unique_ids, encode_chat, render_chat
-from draftheads.targets import check_layer_ids
+from draftheads.targets import check_layer_ids, text_config
 from draftheads.utils import (
     atomic_write_json,
     atomic_write_text,
@@ -118,16 +118,17 @@ def distill(
     from draftheads.training.backends import check_engine, make_backend
 
     SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed)
-    check_engine(engine, features)
+    check_engine(engine)
     check_distill(prompts, out, batch_size, features, feature_dir, val_fraction)
     out = Path(out)
     with exclusive(out), (exclusive(feature_dir, "--feature-dir") if feature_dir is not None else nullcontext()):
         if out.exists():  # a run that held the lock finished meanwhile
             raise DraftheadsError(f"--out {str(out)!r} was just written by another run: choose another path")
         layers = ()
-        if engine != "vllm":
-            layers = check_layer_ids(features, target.info.num_layers, "--features") if features is not None else ()
-            if features is not None and not layers:
+        if features is not None:
+            num_layers = target.info.num_layers if engine != "vllm" else text_config(str(target)).num_hidden_layers
+            layers = check_layer_ids(features, num_layers, "--features")
+            if not layers:
                 raise DraftheadsError("--features names no layer: give ids like 2,15,27,30, or eagle3")
         backend, tok, name, dtype = make_backend(engine, target, out, batch_size, max_seq_len, seed, vllm,
                                                  capture=layers, feature_dtype=feature_dtype)
@@ -160,7 +161,7 @@ def _distill(backend, tok, name, dtype, engine, prompts, out: Path, max_new_toke
     if layers:
         from draftheads.training.features import FeatureShardWriter
 
-        writer = FeatureShardWriter(feature_dir, name, layers, backend.target.info.hidden_size, backend.max_seq_len,
+        writer = FeatureShardWriter(feature_dir, name, layers, backend.hidden_size, backend.max_seq_len,
                                     shard_rows, feature_dtype, settings)
         done = writer.done_keys
         kept = [r for r in read_jsonl_prefix(partial) if r["id"] in done]

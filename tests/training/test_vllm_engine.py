@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from draftheads.errors import DraftheadsError
 from draftheads.inference.engine import Engine
@@ -81,16 +82,38 @@ def test_top_k_reaches_both_engines(target_dir, tmp_path):
     assert answers(sampled) != answers(greedy)
 
 
-def test_a_resume_keeps_its_engine_and_vllm_takes_no_features(target_dir, tmp_path):
+def test_features_through_vllm_equal_the_engines_cache(target_dir, tmp_path):
+    """``--engine vllm --features``: the runner's hidden-states files (vLLM's layout, the last id before the
+    final norm) become the same feature cache the project's engine writes in its generation pass."""
+    from draftheads.training.features import FeatureDataset, collate_features
+
+    target = load_target(str(target_dir))
+    layers = (0, 1, target.info.num_layers)
+    kw = {"max_new_tokens": 6, "batch_size": 3, "features": layers, "val_fraction": 0.3,
+          "feature_dtype": torch.float32, "progress": lambda m: None}
+    distill(target, PROMPTS, tmp_path / "ours.jsonl", feature_dir=tmp_path / "f-ours", **kw)
+    distill(str(target_dir), PROMPTS, tmp_path / "vllm.jsonl", feature_dir=tmp_path / "f-vllm", engine="vllm",
+            vllm={"python": sys.executable, "runner": str(FAKE)}, **kw)
+    assert _records(tmp_path / "ours.jsonl") == _records(tmp_path / "vllm.jsonl")
+    assert not list(tmp_path.glob(".vllm.jsonl.hidden-states/*"))  # every file read and removed
+    for split in ("train", "val"):
+        a, b = (FeatureDataset(tmp_path / d, split, target=target.info.name) for d in ("f-ours", "f-vllm"))
+        assert [sh["keys"] for sh in a.shards] == [sh["keys"] for sh in b.shards] and len(a) == len(b) > 0
+        for i in range(len(a)):
+            ra, rb = collate_features([a[i]]), collate_features([b[i]])
+            assert torch.equal(ra["input_ids"], rb["input_ids"]) and torch.equal(ra["loss_mask"], rb["loss_mask"])
+            for layer in layers:
+                torch.testing.assert_close(rb[f"feat_{layer}"], ra[f"feat_{layer}"], atol=1e-4, rtol=1e-4)
+            assert torch.equal(ra["target_argmax"], rb["target_argmax"])
+
+
+def test_a_resume_keeps_its_engine(target_dir, tmp_path):
     out = tmp_path / "d.jsonl"
     (tmp_path / "d.jsonl.partial").write_text("")
     meta = {"target": str(target_dir), "engine": "vllm"}
     (tmp_path / "d.jsonl.partial.json").write_text(json.dumps(meta))
     with pytest.raises(DraftheadsError, match="engine"):
         distill(load_target(str(target_dir)), PROMPTS, out, max_new_tokens=4, progress=lambda m: None)
-    with pytest.raises(DraftheadsError, match="text only"):
-        distill(str(target_dir), PROMPTS, tmp_path / "e.jsonl", engine="vllm", features=(1,),
-                feature_dir=tmp_path / "f", vllm={"python": sys.executable, "runner": str(FAKE)})
     with pytest.raises(DraftheadsError, match="make vllm-check"):
         distill(str(target_dir), PROMPTS, tmp_path / "g.jsonl", engine="vllm", vllm={"python": "/nonexistent/python"})
 
@@ -126,3 +149,50 @@ def test_synthesize_through_the_fake_runner_writes_the_engines_prompts(tiny_llam
     theirs = synthesize(str(d), tmp_path / "vllm.jsonl", cfg, progress=lambda m: None, engine="vllm",
                         vllm={"python": sys.executable, "runner": str(FAKE)})
     assert ours.read_text() == theirs.read_text() and len(ours.read_text().splitlines()) == 4
+
+
+def test_runner_gives_vllm_the_parallelism_and_capture_asked_for():
+    """The runner's LLM arguments (no vLLM needed): parallelism only when set, Ray for multi-node, and the
+    hidden-states extraction with the stock connector on CUDA and the host-copy one without."""
+    from draftheads.vllm_runner import llm_kwargs, parse_args
+
+    plain = llm_kwargs(parse_args(["--model", "m", "--max-model-len", "64"]), cuda=False)
+    assert plain == {"model": "m", "tokenizer": "m", "dtype": "float32", "max_model_len": 64, "seed": 0}
+    kw = llm_kwargs(parse_args(["--model", "m", "--tensor-parallel-size", "8", "--pipeline-parallel-size", "2",
+                                "--distributed-executor-backend", "ray", "--capture", "2,15,30",
+                                "--capture-dir", "/x"]), cuda=True)
+    assert kw["tensor_parallel_size"] == 8 and kw["pipeline_parallel_size"] == 2 and "data_parallel_size" not in kw
+    assert kw["distributed_executor_backend"] == "ray"
+    assert kw["speculative_config"]["method"] == "extract_hidden_states"
+    assert kw["speculative_config"]["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 30]
+    assert kw["kv_transfer_config"]["kv_connector"] == "ExampleHiddenStatesConnector"
+    assert kw["kv_transfer_config"]["kv_connector_extra_config"] == {"shared_storage_path": "/x"}
+    host = llm_kwargs(parse_args(["--model", "m", "--capture", "2", "--capture-dir", "/x"]), cuda=False)
+    assert host["kv_transfer_config"]["kv_connector"] == "HostHiddenStatesConnector"
+    assert (Path(__file__).parents[2] / "draftheads" / f"{host['kv_transfer_config']['kv_connector_module_path']}.py"
+            ).is_file()
+
+
+def test_the_cli_passes_vllm_options_to_the_runner(target_dir, tmp_path, monkeypatch):
+    """--pipeline-parallel-size and --vllm-executor reach the runner's command line."""
+    import subprocess
+
+    from draftheads.cli import main
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_popen(cmd, **kw):
+        seen.append(cmd)
+        raise Stop
+
+    monkeypatch.setattr(subprocess, "Popen", fake_popen)
+    with pytest.raises(Stop):
+        main(["distill", "--prompts", "bundled:eval", "--out", str(tmp_path / "d.jsonl"), "--target", str(target_dir),
+              "--engine", "vllm", "--vllm-python", sys.executable, "--pipeline-parallel-size", "2",
+              "--vllm-executor", "ray"])
+    cmd = seen[0]
+    assert cmd[cmd.index("--pipeline-parallel-size") + 1] == "2"
+    assert cmd[cmd.index("--distributed-executor-backend") + 1] == "ray"
