@@ -36,7 +36,7 @@ demo: $(STAMP)
 reference-head: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) scripts/reference_head.py $(REFERENCE_ARGS)
 
-# vLLM serving the exported heads, compared with our engine (own venv: .venv-vllm, 3.4 GB; about 25 min on 2 CPU cores).
+# vLLM serving the exported heads, compared with our engine (own venv: .venv-vllm, 3.4 GB; a fresh clone took 53 min on 2 CPU cores).
 vllm-check: $(STAMP)
 	bash scripts/vllm_check.sh $(VLLM_CHECK_ARGS)
 

@@ -169,7 +169,8 @@ class EngineOptions:
     """who writes the text"""
 
     engine: Annotated[str, Flag(choices="draftheads.training.backends:ENGINES")] = "draftheads"
-    """the project's engine (features captured in the same pass) or vLLM (text only)"""
+    """the project's engine (features captured in the generation pass) or vLLM (features through its
+    extract_hidden_states)"""
     vllm_python: str = DEFAULT_VLLM_PYTHON
     """python of vLLM's environment"""
     tensor_parallel_size: Annotated[int, Flag(low=1)] = 1
@@ -312,7 +313,7 @@ def _add(parser, p: _Param) -> None:
     if not required and p.default not in (None, [], ()):
         shown = flag.sep.join(map(str, p.default)) if flag.sep else (
             " ".join(map(str, p.default)) if container == "list" else p.default)
-        kw["help"] = f"{p.help} (default: {shown})" if p.help else f"default: {shown}"
+        kw["help"] = f"{kw['help']} (default: {shown})" if kw["help"] else f"default: {shown}"
     if flag.positional:
         parser.add_argument(p.name, metavar=p.name.upper(), **kw)
     else:

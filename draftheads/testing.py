@@ -62,8 +62,10 @@ def tiny_llama_config(vocab_size: int, **overrides):
     return LlamaConfig(**kw)
 
 
-def save_tiny_llama(out: str | Path, seed: int = 0, chat_template: bool = True, **config_overrides) -> Path:
-    """Write a random tiny Llama model + tokenizer as a HF model directory."""
+def save_tiny_llama(out: str | Path, seed: int = 0, chat_template: bool = True, dtype=torch.float32,
+                    **config_overrides) -> Path:
+    """Write a random tiny Llama model + tokenizer as a HF model directory (weights in ``dtype``; config
+    overrides give other shapes, e.g. Llama-3-8B's layers for a GPU smoke run)."""
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
@@ -76,7 +78,7 @@ def save_tiny_llama(out: str | Path, seed: int = 0, chat_template: bool = True, 
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.1)
-    model.save_pretrained(out)
+    model.to(dtype).save_pretrained(out)
     tok.save_pretrained(out)
     return out
 

@@ -1,6 +1,9 @@
 """GPU check: kernel parity tests on CUDA, paged tree attention timings, engine end to end on a
-random-weight Llama-3-8B-shaped target with synthetic acceptance. `--cpu`: a dry run of every step
-on tiny shapes (interpreter-mode kernels, tiny target), without CUDA timings.
+random-weight Llama-3-8B-shaped target with synthetic acceptance (512-token prompts), sampling at
+T = 0.7, Liger's fused losses against the chunked CPU path, and 20-step `train-head fit` smokes with DDP
+and FSDP on a random target with Llama-3-8B's layer shapes (3 layers). `--cpu`: a dry run of every
+step on tiny shapes (interpreter-mode kernels, tiny target), without CUDA timings; exits 1 when a
+check fails.
 
     bash scripts/gpu_check.sh [--cpu]      # writes under $OUT (default runs/gpu-check)
 """
@@ -40,14 +43,15 @@ if not have["triton"] or not have["transformers"]:
     say("triton and transformers are required; install the project first")
     sys.exit(2)
 device = "cpu" if args.cpu else "cuda"
-results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(0) if cuda and not args.cpu
+results = {"command": "bash scripts/gpu_check.sh" + (" --cpu" if args.cpu else ""), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(0) if cuda and not args.cpu
            else "cpu (dry run)", "packages": have}
 
 # 1. kernel parity tests (compiled on CUDA, interpreter on CPU)
 env = dict(os.environ, TRITON_INTERPRET="1" if args.cpu else "0", WANDB_MODE="offline", HF_HUB_OFFLINE="1")
 t0 = time.time()
-r = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/kernels", "-p", "no:cacheprovider"],
-                   env=env, capture_output=True, text=True)
+# the interpreter runs the long-prompt cases for minutes: the dry run leaves the slow-marked ones out
+r = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/kernels", "-p", "no:cacheprovider",
+                    *(["-m", "not slow"] if args.cpu else [])], env=env, capture_output=True, text=True)
 results["kernel_tests"] = {"returncode": r.returncode, "tail": r.stdout.strip().splitlines()[-1:], "seconds": time.time() - t0}
 say(f"kernel parity tests: {r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-300:]}")
 
@@ -76,7 +80,7 @@ with torch.device(device):
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32 if args.cpu else torch.bfloat16).eval()
 if args.cpu:  # interpreter-mode kernels would make the engine crawl; the torch path is what CPU runs
     os.environ["TRITON_INTERPRET"] = "1"
-results["engine"] = bench_engine(model, batches=batches, new_tokens=new, prompt_len=32 if args.cpu else 128, progress=say)
+results["engine"] = bench_engine(model, batches=batches, new_tokens=new, prompt_len=32 if args.cpu else 512, progress=say)
 
 (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
 say("")
@@ -88,3 +92,112 @@ for row in att["rows"]:
 for b, e in results["engine"].items():
     say(f"| engine batch {b} | plain {e['plain_tok_s']:.1f} tok/s, spec {e['spec_tok_s']:.1f} tok/s, tau {e['tau']:.2f}, "
         f"{e['speedup']:.2f}x |")
+
+# 4. sampling at T = 0.7 on the device: real rejection sampling, and the same seed gives the same output
+from draftheads.inference.engine import Engine  # noqa: E402
+from draftheads.inference.proposers.random_draft import RandomProposer  # noqa: E402
+from draftheads.inference.sampling import SamplingParams  # noqa: E402
+
+vocab = cfg.vocab_size
+prompts = [torch.randint(vocab, (32 if args.cpu else 512,)).tolist() for _ in range(2)]
+sp = SamplingParams(temperature=0.7, max_new_tokens=new, seed=7, stop_at_eos=False)
+engine = Engine(model, proposer=RandomProposer(vocab), tree="chain3")
+first, again = engine.generate(prompts, sp), engine.generate(prompts, sp)
+results["sampling"] = {"temperature": 0.7, "rows": len(prompts), "new_tokens": new,
+                       "same_seed_same_output": all(a.token_ids == b.token_ids for a, b in zip(first, again)),
+                       "tau": sum(o.metrics.tau for o in first) / len(first)}
+say(f"sampling T=0.7: same seed, same output: {results['sampling']['same_seed_same_output']}")
+del model, engine
+if cuda:
+    torch.cuda.empty_cache()
+
+# 5. fused losses: Liger's kernels on the device against the chunked torch path on CPU, values and grads
+from draftheads.training.losses import linear_cross_entropy, linear_kl  # noqa: E402
+
+
+def _loss_case(name, fn, n, hidden, v):
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(n, hidden, generator=gen)
+    w = torch.randn(v, hidden, generator=gen) * 0.05
+    extra = (torch.randint(v, (n,), generator=gen),) if name == "cross_entropy" else (
+        torch.randn(n, hidden, generator=gen), torch.randn(v, hidden, generator=gen) * 0.05)
+    out = {}
+    for where, impl in ((device, "liger"), ("cpu", "chunked")):
+        hh, ww = h.clone().to(where).requires_grad_(), w.clone().to(where).requires_grad_()  # own grads
+        loss = fn(hh, ww, *(e.to(where) for e in extra), impl=impl)
+        loss.backward()
+        out[impl] = (loss.detach().cpu(), hh.grad.cpu(), ww.grad.cpu())
+    (a, ga, wa), (b, gb, wb) = out["liger"], out["chunked"]
+    rel = lambda x, y: float((x - y).abs().max() / y.abs().max().clamp_min(1e-12))  # noqa: E731
+    return {"liger": float(a), "chunked": float(b), "loss_rel": rel(a, b), "grad_h_rel": rel(ga, gb),
+            "grad_w_rel": rel(wa, wb)}
+
+
+if have["liger_kernel"]:
+    n, hidden, v = (64, 32, 300) if args.cpu else (4096, 4096, 32000)
+    results["losses"] = {name: _loss_case(name, fn, n, hidden, v) for name, fn in
+                         (("cross_entropy", linear_cross_entropy), ("kl", lambda hs, ws, ht, wt, impl:
+                                                                     linear_kl(hs, ws, ht, wt, impl=impl)))}
+    for name, r in results["losses"].items():
+        say(f"loss {name}: liger {r['liger']:.6f} vs chunked {r['chunked']:.6f} (rel {r['loss_rel']:.1e}); "
+            f"grads rel {r['grad_h_rel']:.1e} / {r['grad_w_rel']:.1e}")
+else:
+    results["losses"] = {"skipped": "liger-kernel is not installed"}
+    say("losses: liger-kernel is not installed, skipped")
+
+# 6. train-head fit: 20 steps on one device with DDP and with FSDP (FSDP refuses a CPU accelerator)
+import yaml  # noqa: E402
+
+from draftheads.testing import save_tiny_llama  # noqa: E402
+
+work = out / "train"
+shape = {} if args.cpu else {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 3,
+                             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                             "max_position_embeddings": 8192}
+target_dir = save_tiny_llama(work / "target", dtype=torch.float32 if args.cpu else torch.bfloat16, **shape)
+rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i + 1}?"},
+                      {"role": "assistant", "content": f"The answer is {2 * i + 1}. The quick brown fox jumps."}]}
+        for i in range(64)]
+(work / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+results["train"] = {}
+for strategy in ("ddp", "fsdp"):
+    if args.cpu and strategy == "fsdp":
+        results["train"][strategy] = {"skipped": "Lightning's FSDP refuses accelerator=cpu"}
+        continue
+    cfg_file = work / f"{strategy}.yaml"
+    cfg_file.write_text(yaml.safe_dump({
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu" if args.cpu else "gpu", "devices": 1, "strategy": strategy,
+                    "max_steps": 20, "logger": False, "enable_progress_bar": False,
+                    "precision": "32-true" if args.cpu else "bf16-mixed", "default_root_dir": str(work / strategy),
+                    "gradient_clip_val": 1.0},
+        "model": {"class_path": "draftheads.training.Eagle3Module",
+                  "init_args": {"target": str(target_dir), "target_dtype": "float32" if args.cpu else "bfloat16",
+                                "lr": 1e-3, "ttt_steps": 2, "aux_layer_ids": [1, 2, 3],
+                                "head_dir": str(work / strategy / "head")}},
+        "data": {"train_files": [str(work / "data.jsonl")], "max_length": 64, "batch_size": 4, "val_fraction": 0.1},
+    }))
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "draftheads.training.cli", "fit", "--config", str(cfg_file)],
+                       env=env, capture_output=True, text=True)
+    head_written = (work / strategy / "head" / "model.safetensors").is_file()
+    results["train"][strategy] = {"returncode": r.returncode, "seconds": time.time() - t0, "head": head_written,
+                                  "tail": (r.stderr or r.stdout).strip().splitlines()[-2:]}
+    say(f"train-head fit, {strategy}, 20 steps: exit {r.returncode}, head written {head_written}, "
+        f"{time.time() - t0:.0f} s")
+
+(out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+say(f"| sampling T=0.7 | same seed same output: {results['sampling']['same_seed_same_output']}, "
+    f"tau {results['sampling']['tau']:.2f} |")
+for name, r in results["losses"].items():
+    if isinstance(r, dict):
+        say(f"| loss {name} liger vs chunked | value rel {r['loss_rel']:.1e}, grad rel "
+            f"{max(r['grad_h_rel'], r['grad_w_rel']):.1e} |")
+for strategy, r in results["train"].items():
+    say(f"| train-head {strategy} 20 steps | " + (r["skipped"] if "skipped" in r else
+                                                  f"exit {r['returncode']}, head {r['head']}, {r['seconds']:.0f} s") + " |")
+loss_off = any(max(r["loss_rel"], r["grad_h_rel"], r["grad_w_rel"]) > 1e-2 for r in results["losses"].values()
+               if isinstance(r, dict))
+failed = (results["kernel_tests"]["returncode"] != 0 or not results["sampling"]["same_seed_same_output"] or loss_off
+          or any(r.get("returncode", 0) != 0 or r.get("head") is False for r in results["train"].values()))
+sys.exit(1 if failed else 0)

@@ -3,7 +3,7 @@
 * ``draftheads``: the project's engine (continuous batching over the paged KV cache), hidden states of
   the generation pass captured on the way.
 * ``vllm``: vLLM's offline ``LLM`` in its own environment (``.venv-vllm``), driven over JSON lines by
-  ``draftheads/vllm_runner.py``; text only (features come from ``cache-features`` or online training).
+  ``draftheads/vllm_runner.py``; features through vLLM's ``extract_hidden_states`` (see :class:`VLLMBackend`).
 
 Both follow the same conversation rules (:class:`~draftheads.inference.batching.ContinuousBatcher`): an
 answer ends at an end-of-turn token or at its budget, min(max_new_tokens, max_seq_len - tokens so far);
