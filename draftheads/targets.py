@@ -338,19 +338,23 @@ def vllm_target_dir(src: Path, out: Path) -> Path:
     return out
 
 
+def eos_ids(generation_eos, tokenizer) -> list[int]:
+    """End-of-turn ids: the generation config's ``eos_token_id`` (an id or a list), else the tokenizer's."""
+    eos = generation_eos
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
 def target_eos_ids(path: str | os.PathLike, tokenizer) -> list[int]:
-    """End-of-turn ids of a target directory without loading its weights: its generation config's
-    ``eos_token_id``, else the tokenizer's (the engine's rule)."""
+    """:func:`eos_ids` of a target directory, read without loading its weights."""
     from transformers import GenerationConfig
 
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id
     except (OSError, ValueError):
         eos = None
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-
+    return eos_ids(eos, tokenizer)
 
 
 def text_config(spec: str):

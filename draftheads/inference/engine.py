@@ -27,7 +27,7 @@ from draftheads.inference.tree import (
     parse_tree,
 )
 from draftheads.inference.verify import VERIFIERS, NodeLogits
-from draftheads.targets import capture_hidden_states, decoder_parts
+from draftheads.targets import capture_hidden_states, decoder_parts, eos_ids
 
 
 @dataclass
@@ -114,10 +114,8 @@ class Engine:
         self._runner = model.get_decoder() if self._lazy else model
         self._cache_arg = cache_argument(self._runner)
         if eos_token_ids is None:
-            eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
-            if eos is None and tokenizer is not None:
-                eos = tokenizer.eos_token_id
-            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+            config = getattr(model, "generation_config", None)
+            eos_token_ids = eos_ids(getattr(config, "eos_token_id", None), tokenizer)
         self.eos = set(eos_token_ids)
         use = self.config.use_triton
         if use is None:  # the Triton path on CUDA, where the kernel takes this model's shapes
