@@ -1,7 +1,8 @@
 """vLLM side of ``distill --engine vllm``: a long-lived generator speaking JSON lines.
 
 Runs inside vLLM's own environment (``.venv-vllm``: vLLM pins its own transformers), so it imports only
-the standard library and vLLM, and is started by file path, never imported by draftheads.
+the standard library and vLLM (vLLM only inside :func:`main`), and is started by file path; draftheads
+imports only its standard-library helpers (arguments, protocol channel, the hidden-states file lock).
 
     python vllm_runner.py --model DIR [--dtype float32] [--max-model-len N] [--tensor-parallel-size N]
                           [--data-parallel-size N] [--pipeline-parallel-size N]
@@ -78,17 +79,16 @@ def llm_kwargs(args: argparse.Namespace, cuda: bool) -> dict:
     return kw
 
 
-def _wait_and_remove(path: str) -> None:
-    """Remove a hidden-states file once its writer is done (it holds an exclusive lock until then)."""
+def wait_for_writer(path: str) -> None:
+    """Return once vLLM's connector has finished writing the hidden-states file ``path`` (its writer holds
+    an exclusive lock on ``path.lock`` until then), and remove the lock file."""
     import fcntl
 
-    lock = path + ".lock"
+    lock = f"{path}.lock"
     if os.path.exists(lock):
         with open(lock) as f:
             fcntl.flock(f, fcntl.LOCK_SH)
         os.remove(lock)
-    if os.path.exists(path):
-        os.remove(path)
 
 
 def prompt_argmax(out) -> list:
@@ -138,8 +138,10 @@ def main() -> None:
             path = (out.kv_transfer_params or {}).get("hidden_states_path")
             if r.get("features"):
                 reply.update(hidden_states_path=path, argmax=prompt_argmax(out))
-            elif path:
-                _wait_and_remove(path)
+            elif path:  # a generation round's file: nobody reads it
+                wait_for_writer(path)
+                if os.path.exists(path):
+                    os.remove(path)
             proto.write(json.dumps(reply) + "\n")
         proto.write(json.dumps({"round_done": msg["round"], "seconds": time.perf_counter() - t0,
                                 "tokens": tokens}) + "\n")

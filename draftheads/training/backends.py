@@ -179,9 +179,8 @@ class VLLMBackend:
             live.append({"conv": conv, "tokens": list(first), "mask": [0] * len(first), "turn": 0,
                          "answers": [], "truncated": []})
         stop = sorted(self.eos)
-        done = []
         while live:
-            reqs = []
+            reqs, done = [], []
             for row in live:
                 sp = row["conv"].params
                 budget = min(sp.max_new_tokens, self.max_seq_len - len(row["tokens"]))
@@ -215,7 +214,6 @@ class VLLMBackend:
                     done.append(row)
             live = still
             yield from self._finish(done)
-            done = []
 
     @property
     def captures_features(self) -> bool:
@@ -264,15 +262,11 @@ class VLLMBackend:
 def read_hidden_states(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden_states [T, layers, hidden], token_ids [T]) of a file vLLM's hidden-states connector wrote,
     once its writer has released the file's lock; the file and its lock are removed."""
-    import fcntl
-
     from safetensors.torch import load_file
 
-    lock = f"{path}.lock"
-    if os.path.exists(lock):
-        with open(lock) as f:
-            fcntl.flock(f, fcntl.LOCK_SH)  # the writer holds LOCK_EX until the file is complete
-        os.remove(lock)
+    from draftheads.vllm_runner import wait_for_writer
+
+    wait_for_writer(str(path))
     data = load_file(str(path))
     os.remove(path)
     return data["hidden_states"], data["token_ids"]
