@@ -89,7 +89,7 @@ def attention_bytes(args) -> int:
 
 def bench_attention(device="cuda", batches=(1, 8, 32), trees=(16, 64), contexts=(1024, 8192), heads=32, kv_heads=8,
                     dim=128, dtype=torch.bfloat16, repeats=10, progress=print) -> dict:
-    from draftheads.kernels.tree_attention import paged_tree_attention_fwd
+    from draftheads.kernels.tree_attention import attention_plan, paged_tree_attention_fwd
 
     device = torch.device(device)
     bw = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 24)
@@ -98,7 +98,8 @@ def bench_attention(device="cuda", batches=(1, 8, 32), trees=(16, 64), contexts=
         for t in trees:
             for c in contexts:
                 args = attention_case(b, t, c, heads, kv_heads, dim, dtype, device)
-                tk = timeit(lambda: paged_tree_attention_fwd(*args), device, repeats)  # noqa: B023 (called at once)
+                plan = attention_plan([t] * b, [c] * b, heads // kv_heads, dim, device, args[0].element_size())
+                tk = timeit(lambda: paged_tree_attention_fwd(*args, plan=plan), device, repeats)  # noqa: B023 (called at once)
                 tt = timeit(lambda: torch_path(args), device, max(1, repeats // 2))  # noqa: B023
                 achieved = attention_bytes(args) / tk
                 row = {"batch": b, "tree": t, "context": c, "triton_ms": tk * 1e3, "torch_ms": tt * 1e3,

@@ -1,14 +1,16 @@
 """Paged KV cache: fixed-size blocks, a free-list allocator and per-sequence block tables.
 
-Layout per layer: ``kv[layer]`` of shape ``[2, num_blocks, block_size, kv_heads, head_dim]`` (keys, values);
-``k[layer]`` and ``v[layer]`` are its two halves.
+Layout: one tensor ``storage`` of shape ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``;
+``kv[layer]`` (keys, values) is a view of one layer and ``k[layer]``, ``v[layer]`` its two halves, so a
+kernel can reach every layer through one pointer and a stride.
 A token at position p of a sequence lives in slot ``block_table[p // block_size] * block_size +
 p % block_size``.
 
 A sequence's committed length ``length`` counts the tokens whose K/V are final. A verification
 forward writes its query tokens (the tree: root first) to positions ``length .. length + q - 1``;
-:meth:`PagedKVCache.commit` then moves the accepted nodes' K/V to ``length + 1 ..`` (the root is
-already in place), advances ``length`` and frees blocks the sequence no longer needs.
+:meth:`PagedKVCache.commit_many` then moves the accepted nodes' K/V of every row and layer to
+``length + 1 ..`` (the root is already in place) in one copy, advances each ``length`` and frees blocks the
+sequences no longer need.
 """
 
 from __future__ import annotations
@@ -38,17 +40,18 @@ class PagedKVCache:
     ):
         if num_blocks < 1 or block_size < 1:
             raise DraftheadsError(f"kv cache needs num_blocks >= 1 and block_size >= 1 (got {num_blocks}, {block_size})")
-        shape = (2, num_blocks, block_size, kv_heads, head_dim)
-        self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.storage = torch.zeros(num_layers, 2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+        self._all_flat = self.storage.view(num_layers, 2, num_blocks * block_size, kv_heads, head_dim)
+        self.kv = list(self.storage.unbind(0))  # [2, num_blocks, block_size, kv_heads, head_dim] per layer
         self.k = [t[0] for t in self.kv]
         self.v = [t[1] for t in self.kv]
-        self._flat = [t.view(2, num_blocks * block_size, kv_heads, head_dim) for t in self.kv]
+        self._flat = list(self._all_flat.unbind(0))  # [2, slots, kv_heads, head_dim] per layer
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self.seqs: dict[int, SeqBlocks] = {}
         self.device = torch.device(device)
-        self.use_triton = use_triton  # commit moves with the Triton kernel (one launch per layer)
+        self.use_triton = use_triton  # commit moves with the Triton kernel (one launch for all rows and layers)
 
     # ------------------------------------------------------------------ allocation
 
@@ -131,27 +134,48 @@ class PagedKVCache:
     # ------------------------------------------------------------------ commit
 
     def commit(self, seq_id: int, accepted: list[int]) -> None:
-        """Keep tree nodes ``accepted`` (tree indices, root = 0 first, in depth order).
+        """Keep tree nodes ``accepted`` of one sequence: :meth:`commit_many` with one item."""
+        self.commit_many([(seq_id, accepted)])
 
-        Node ``accepted[d]`` was written at position ``length + accepted[d]``; it moves to
-        ``length + d``. Then ``length += len(accepted)`` and unneeded blocks are freed.
+    def commit_many(self, items: list[tuple[int, list[int]]]) -> None:
+        """Keep tree nodes ``accepted`` (tree indices, root = 0 first, increasing) of each ``(seq_id, accepted)``.
+
+        Node ``accepted[d]`` was written at position ``length + accepted[d]``; it moves to ``length + d``.
+        The moves of every row and layer run as one copy (one Triton launch with ``use_triton``, else one
+        gather and one ``index_copy_``). Within a row they are order-safe: ``accepted`` increases, so each
+        move goes to a position below the sources of all later moves (a destination may be an earlier
+        move's source, already read). Then each ``length += len(accepted)`` and unneeded blocks are freed.
         """
-        seq = self.seqs[seq_id]
-        if not accepted or accepted[0] != 0 or any(b <= a for a, b in zip(accepted, accepted[1:])):
-            raise ValueError(f"accepted nodes {accepted} must start at the root (0) and increase")
-        src = [a for d, a in enumerate(accepted) if a != d]
+        seen = set()
+        src, dst, row_start = [], [], [0]
+        for seq_id, accepted in items:
+            if seq_id in seen:
+                raise ValueError(f"sequence {seq_id} appears twice in one commit")
+            seen.add(seq_id)
+            if not accepted or accepted[0] != 0 or any(b <= a for a, b in zip(accepted, accepted[1:])):
+                raise ValueError(f"accepted nodes {accepted} must start at the root (0) and increase")
+            seq = self.seqs[seq_id]
+            if (seq.length + accepted[-1]) // self.block_size >= len(seq.blocks):
+                raise ValueError(f"positions up to {seq.length + accepted[-1]} of sequence {seq_id} are not reserved")
+            for d, a in enumerate(accepted):
+                if a != d:  # nodes before the first skipped one are already in place
+                    src.append(self._slot(seq, seq.length + a))
+                    dst.append(self._slot(seq, seq.length + d))
+            row_start.append(len(src))
         if src:
-            moves_from = self.slots(seq_id, seq.length, accepted[-1] + 1)[torch.tensor(accepted)]
-            moves_to = self.slots(seq_id, seq.length, len(accepted))
+            n = len(src)
+            moves = torch.tensor(src + dst + row_start, dtype=torch.long).to(self.device)  # one host-to-device copy
             if self.use_triton:
-                from draftheads.kernels.verify import commit_kv
+                from draftheads.kernels.verify import commit_kv_layers
 
-                for layer in range(len(self.kv)):
-                    commit_kv(self._flat[layer], moves_from, moves_to)
+                commit_kv_layers(self._all_flat, moves[:n], moves[n: 2 * n], moves[2 * n:])
             else:
-                for layer in range(len(self.kv)):
-                    self._flat[layer].index_copy_(1, moves_to, self.gather_kv(layer, moves_from))
-        self.truncate(seq_id, seq.length + len(accepted))
+                self._all_flat.index_copy_(2, moves[n: 2 * n], self._all_flat.index_select(2, moves[:n]))
+        for seq_id, accepted in items:
+            self.truncate(seq_id, self.seqs[seq_id].length + len(accepted))
+
+    def _slot(self, seq: SeqBlocks, pos: int) -> int:
+        return seq.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Set the committed length and free blocks past it."""

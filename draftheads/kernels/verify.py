@@ -5,8 +5,9 @@
   their count (same result as :func:`draftheads.inference.verify.verify_greedy`).
 * ``sampled_verify``: the sampling walk for deterministic drafts with given uniforms (same result as
   :func:`draftheads.inference.verify.verify_sampled_uniforms`).
-* ``commit_kv``: copies every accepted node's K/V (all rows, one layer) from its tree slot to its
-  final slot in one launch (moves in order, so overlapping source/destination ranges are safe).
+* ``commit_kv_layers``: copies every accepted node's K/V (all rows, all layers) from its tree slot to
+  its final slot in one launch (each row's moves in order, so overlapping source/destination ranges are
+  safe); ``commit_kv`` is its one-layer, one-row form.
 
 Each launcher checks shapes and sets the grid; ``*_ref`` are the torch references.
 """
@@ -147,33 +148,56 @@ def sampled_verify(tokens, parents, probs, starts, sizes, uniforms):
 
 
 @triton.jit
-def _commit_kv_kernel(KV, SRC, DST, n_moves, stride_half, ROW: tl.constexpr, BLOCK: tl.constexpr):
-    # moves run in order inside one program: a node moves towards the root (dst <= src), so a slot is
-    # read before any later move overwrites it; programs split only the K and V halves
-    half = tl.program_id(0)
-    for i in range(0, n_moves):
+def _commit_kv_kernel(KV, SRC, DST, ROW_START, stride_layer, stride_half, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per (layer and K/V half, batch row, chunk of a slot's elements). A row's moves run in
+    # order inside its program, and each element of a slot is read and written by the same lane: move d
+    # goes to a position below every later move's source (dst_d = length + d < length + accepted[e] for
+    # e > d), so a source is read before any move overwrites it. Rows touch disjoint slots.
+    lh = tl.program_id(0)
+    row = tl.program_id(1)
+    chunk = tl.program_id(2)
+    base = KV + (lh // 2).to(tl.int64) * stride_layer + (lh % 2).to(tl.int64) * stride_half
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    m = offs < ROW
+    for i in range(tl.load(ROW_START + row), tl.load(ROW_START + row + 1)):
         src = tl.load(SRC + i)
         dst = tl.load(DST + i)
-        for start in range(0, ROW, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            m = offs < ROW
-            x = tl.load(KV + half * stride_half + src * ROW + offs, mask=m)
-            tl.store(KV + half * stride_half + dst * ROW + offs, x, mask=m)
+        x = tl.load(base + src * ROW + offs, mask=m)
+        tl.store(base + dst * ROW + offs, x, mask=m)
+
+
+def commit_kv_layers(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, row_start: torch.Tensor) -> None:
+    """kv [layers, 2, slots, kv_heads, head_dim] (contiguous): for every layer, K and V, copy slots ``src[i]``
+    -> ``dst[i]`` (int64 [n]) in one launch. ``row_start`` [rows + 1] (int64) splits the moves into batch rows.
+
+    Within a row, moves run in order and each move's destination must lie below every later move's source
+    (accepted nodes move towards the root: destinations ``length + d``, sources ``length + accepted[d]``,
+    both increasing), so no source is overwritten before it is read. Different rows must touch disjoint slots.
+    """
+    assert kv.dim() == 5 and kv.shape[1] == 2 and kv.is_contiguous(), (kv.shape, kv.stride())
+    assert src.shape == dst.shape and src.dim() == 1, (src.shape, dst.shape)
+    assert row_start.dim() == 1 and row_start.numel() >= 1, row_start.shape
+    rows = row_start.numel() - 1
+    if src.numel() == 0 or rows == 0:
+        return
+    row = kv.shape[3] * kv.shape[4]
+    block = min(1024, triton.next_power_of_2(row))
+    _commit_kv_kernel[(2 * kv.shape[0], rows, triton.cdiv(row, block))](
+        kv, src, dst, row_start, kv.stride(0), kv.stride(1), ROW=row, BLOCK=block,
+    )
+
+
+def commit_kv_layers_ref(kv, src, dst, row_start=None) -> None:
+    """Gather every source, then scatter (the same result as the in-order moves under their precondition)."""
+    kv.index_copy_(2, dst, torch.index_select(kv, 2, src))
 
 
 def commit_kv(kv_flat: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """kv_flat [2, slots, kv_heads, head_dim]: copy slots ``src`` -> ``dst`` (int64 [n]) for K and V in one launch.
-
-    Sources must not be overwritten before they are read: accepted nodes move towards the root
-    (dst <= src, both increasing), which the engine guarantees.
-    """
+    """kv_flat [2, slots, kv_heads, head_dim]: copy slots ``src`` -> ``dst`` (int64 [n]) for K and V of one layer,
+    the moves in order (one row for :func:`commit_kv_layers`)."""
     assert kv_flat.dim() == 4 and kv_flat.shape[0] == 2 and kv_flat.is_contiguous()
-    assert src.shape == dst.shape and src.dim() == 1
-    if src.numel() == 0:
-        return
-    row = kv_flat.shape[2] * kv_flat.shape[3]
-    _commit_kv_kernel[(2,)](kv_flat, src, dst, src.numel(), kv_flat.stride(0), ROW=row,
-                             BLOCK=min(1024, triton.next_power_of_2(row)))
+    row_start = torch.tensor([0, src.numel()], dtype=torch.int64, device=src.device)
+    commit_kv_layers(kv_flat[None], src, dst, row_start)
 
 
 def commit_kv_ref(kv_flat, src, dst) -> None:
