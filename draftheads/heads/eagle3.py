@@ -93,13 +93,13 @@ class Eagle3Head(nn.Module):
         w = self.fc.weight
         return (w.unflatten(1, (3, -1)) / self.aux_scale.to(w.dtype)[None, :, None]).flatten(1)
 
-    def forward(self, embeds, hidden, position_ids, mask=None, past_kv=None, extra_kv=None):
+    def forward(self, embeds, hidden, position_ids, mask=None, past_kv=None, extra_kv=None, cache=None):
         """One drafting step. embeds, hidden [B, T, H] -> (pre-norm hidden [B, T, H], new (k, v))."""
         cos, sin = self.rotary(hidden, position_ids)
         layer = self.layers[0]
         if self.config.norm_before_residual:
             hidden = layer.hidden_norm(hidden)
-        return layer(hidden, cos, sin, embeds=embeds, mask=mask, past_kv=past_kv, extra_kv=extra_kv)
+        return layer(hidden, cos, sin, embeds=embeds, mask=mask, past_kv=past_kv, extra_kv=extra_kv, cache=cache)
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden)

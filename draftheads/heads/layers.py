@@ -131,8 +131,10 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.kvh * self.d, bias=False)
         self.o_proj = nn.Linear(self.h * self.d, spec.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask=None, past_kv=None, extra_kv=None):
+    def forward(self, x, cos, sin, mask=None, past_kv=None, extra_kv=None, cache=None):
         """x [B, T, in]; mask additive [B or 1, 1, T, S] over keys (past, new, extra) or None = causal.
+        With ``cache`` (a :class:`~draftheads.inference.draft_kv.DraftStep`) the new K/V are written
+        there and the keys are the cache's, S of them, instead of ``past_kv``/``extra_kv``.
 
         Returns (out [B, T, H], (k, v)) with k/v [B, kvh, T, D] for the new tokens only.
         """
@@ -142,6 +144,11 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kvh, self.d).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         new_kv = (k, v)
+        if cache is not None:
+            k_all, v_all = cache.update(k, v)
+            out = F.scaled_dot_product_attention(q, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask=mask,
+                                                 enable_gqa=self.h != self.kvh)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, self.h * self.d)), new_kv
         keys, vals = [k], [v]
         if past_kv is not None:
             keys.insert(0, past_kv[0])
@@ -194,13 +201,13 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
         self.mlp = DraftMLP(spec)
 
-    def forward(self, hidden, cos, sin, embeds=None, mask=None, past_kv=None, extra_kv=None):
+    def forward(self, hidden, cos, sin, embeds=None, mask=None, past_kv=None, extra_kv=None, cache=None):
         residual = hidden
         if self.eagle3:
             x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         else:
             x = hidden
-        attn, new_kv = self.self_attn(x, cos, sin, mask=mask, past_kv=past_kv, extra_kv=extra_kv)
+        attn, new_kv = self.self_attn(x, cos, sin, mask=mask, past_kv=past_kv, extra_kv=extra_kv, cache=cache)
         hidden = residual + attn
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return hidden, new_kv

@@ -53,7 +53,7 @@ class PagedStep:
         row's queries see everything (a single query token)."""
         key = (row, dtype)
         if key not in self._additive:
-            if self.tree_masks[row].all():
+            if self.tree_masks[row].shape[0] == 1:  # a lone query token sees every key (no host read)
                 self._additive[key] = None
                 return None
             tree = self.tree_masks[row]

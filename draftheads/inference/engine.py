@@ -54,6 +54,10 @@ class EngineConfig:
     ``synthetic_rates`` whatever the tokens, for speed measurements on random-weight targets)."""
     synthetic_rates: tuple[float, ...] = ()
     """Per-position acceptance probabilities of the synthetic verifier."""
+    verify_on_device: bool | None = None
+    """Walk greedy trees on the device with one read-back per step: None = off the CPU (where a host
+    read waits for the device) or on the Triton path, True/False = force. On a CPU the host walk
+    projects fewer nodes."""
     lazy_lm_head: bool = True
     """Project the final hidden states through the lm_head only at the nodes verification reads."""
 
@@ -121,7 +125,9 @@ class Engine:
         if use is None:  # the Triton path on CUDA, where the kernel takes this model's shapes
             use = self.device.type == "cuda" and _triton_supports(self.head_dim, self.config.block_size)
         self.use_triton = use
-        self.verifier = VERIFIERS[self.config.verifier].from_config(self.config, fused=self.use_triton)
+        on_device = self.config.verify_on_device
+        on_device = (self.device.type != "cpu" or use) if on_device is None else on_device
+        self.verifier = VERIFIERS[self.config.verifier].from_config(self.config, on_device=on_device, kernel=use)
         self.steps = 0  # engine steps over all generate calls (the per-request switch counts in them)
 
     def request_state(self, rid: int, prompt: list[int], params: SamplingParams) -> RequestState:
@@ -227,13 +233,13 @@ class Engine:
             self.steps += 1
             t_step = time.perf_counter()
             arm, tree = self._choose(live)
-            trees = [self._propose(st, tree) for st in live]
+            trees = self._propose(live, tree)
             logits, hidden = self.forward(cache, live, trees, layer_ids)
             results = self.verifier.verify(live, trees, logits)
+            cache.commit_many([(st.rid, res.path) for st, res in zip(live, results)])
             emitted = []
             off = 0
             for st, t, res in zip(live, trees, results):
-                cache.commit(st.rid, res.path)
                 if len(t) > 1:
                     st.metrics.record_draft(t.depth, len(res.accepted), draft_tokens=len(t) - 1)
                 st.metrics.target_forwards += 1
@@ -280,12 +286,15 @@ class Engine:
                 if len(t) > 1 and not st.done:
                     self.switch.observe(st, n, self.steps, ratio)
 
-    def _propose(self, st: RequestState, tree: TreeSpec | None) -> Tree:
-        if tree is None or not st.speculate:
-            return Tree([st.root], [-1])
-        out = self.proposer.propose(st, tree)
-        if out.tokens[0] != st.root:
-            raise RuntimeError(f"proposer {self.proposer.name} returned a tree not rooted at the last token")
-        if len(out) > self.config.max_tree_tokens:
-            raise DraftheadsError(f"tree of {len(out)} tokens exceeds max_tree_tokens={self.config.max_tree_tokens}")
+    def _propose(self, live: list[RequestState], tree: TreeSpec | None) -> list[Tree]:
+        """Every live row's tree for this step: drafted in one batch for the rows that speculate, the
+        root alone for the others (and for all on a plain step)."""
+        drafting = [st for st in live if st.speculate] if tree is not None else []
+        drafted = iter(self.proposer.propose_batch(drafting, tree) if drafting else ())
+        out = [next(drafted) if tree is not None and st.speculate else Tree([st.root], [-1]) for st in live]
+        for st, t in zip(live, out):
+            if t.tokens[0] != st.root:
+                raise RuntimeError(f"proposer {self.proposer.name} returned a tree not rooted at the last token")
+            if len(t) > self.config.max_tree_tokens:
+                raise DraftheadsError(f"tree of {len(t)} tokens exceeds max_tree_tokens={self.config.max_tree_tokens}")
         return out

@@ -98,6 +98,55 @@ def chain_parents(n: int) -> list[int]:
     return [-1] + list(range(n))
 
 
+# ----------------------------------------------------------------------------- choosing drafted nodes
+
+
+@dataclass
+class Node:
+    """A drafted candidate in a pool (list form, for proposers that draft one row at a time)."""
+
+    token: int  # head-vocabulary index
+    parent: int  # pool index, -1 = child of the root
+    depth: int
+    score: float  # cumulative log-probability along its path
+
+
+def select_nodes(scores: torch.Tensor, depth: torch.Tensor, parents: torch.Tensor, keep: int):
+    """The best ``keep`` drafted nodes of each row's pool as trees, with tensor ops only (no host sync).
+
+    scores [R, P] cumulative log-probabilities, depth [R, P] (1 = child of the root), parents [R, P]
+    (pool index, -1 = child of the root). Nodes are ranked by score, then depth, then pool index (EAGLE-2's
+    rerank). A node's score never exceeds its parent's (log-probabilities are <= 0) and a parent is
+    shallower, so a parent always ranks before its children and the kept set is closed under ancestors.
+
+    Returns (nodes [R, n] pool indices in tree order: by depth, then pool index; tree_parents [R, n]
+    tree indices with the root = 0 and the nodes at 1..n), n = min(keep, P).
+    """
+    r, p = scores.shape  # [R, P]
+    n = min(keep, p)
+    by_depth = torch.sort(depth, dim=1, stable=True).indices
+    ranked = by_depth.gather(1, torch.sort(scores.gather(1, by_depth), dim=1, descending=True, stable=True).indices)
+    kept = ranked[:, :n]  # [R, n]
+    order = torch.sort(depth.gather(1, kept) * p + kept, dim=1).indices
+    nodes = kept.gather(1, order)  # [R, n] by depth, then pool index
+    where = torch.zeros(r, p, dtype=torch.long, device=scores.device)
+    where.scatter_(1, nodes, torch.arange(1, n + 1, device=scores.device).expand(r, n))
+    up = parents.gather(1, nodes)
+    tree_parents = torch.where(up < 0, 0, where.gather(1, up.clamp(min=0)))
+    return nodes, tree_parents
+
+
+def select_tree(root: int, pool: list[Node], total_tokens: int, to_target_ids) -> Tree:
+    """The best ``total_tokens - 1`` nodes of a list pool (:func:`select_nodes`) as a tree rooted at
+    ``root``; ``to_target_ids`` maps head-vocabulary indices [n] to target ids."""
+    scores = torch.tensor([[nd.score for nd in pool]], dtype=torch.float64)
+    depth = torch.tensor([[nd.depth for nd in pool]])
+    parents = torch.tensor([[nd.parent for nd in pool]])
+    nodes, tree_parents = select_nodes(scores, depth, parents, total_tokens - 1)
+    ids = to_target_ids(torch.tensor([pool[j].token for j in nodes[0].tolist()], dtype=torch.long)).tolist()
+    return Tree([root, *ids], [-1, *tree_parents[0].tolist()])
+
+
 # ----------------------------------------------------------------------------- static shapes
 
 

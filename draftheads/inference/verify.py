@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from draftheads.errors import DraftheadsError
+from draftheads.inference.projection import vocab_logits
 from draftheads.inference.sampling import SamplingParams, target_probs, uniform
 from draftheads.inference.tree import Tree
 
@@ -144,7 +145,7 @@ class NodeLogits:
             return self.full[idx]
         idx = torch.as_tensor(idx, dtype=torch.long, device=self.hidden.device)
         self.projected += idx.numel()
-        return torch.nn.functional.linear(self.hidden[idx], self.weight)
+        return vocab_logits(self.hidden[idx], self.weight)
 
     def all(self) -> torch.Tensor:
         return self.rows(torch.arange(len(self)))
@@ -169,8 +170,10 @@ class Verifier:
     name = "none"
 
     @classmethod
-    def from_config(cls, config, fused: bool = False) -> Verifier:
-        """Built from an :class:`~draftheads.inference.engine.EngineConfig`."""
+    def from_config(cls, config, on_device: bool = False, kernel: bool = False) -> Verifier:
+        """Built from an :class:`~draftheads.inference.engine.EngineConfig`. ``on_device``: walk the trees
+        on the device and read the results back once (where a host read costs a round trip);
+        ``kernel``: with the Triton walk."""
         return cls()
 
     def verify(self, states, trees: list[Tree], logits: NodeLogits) -> list[VerifyResult]:  # pragma: no cover
@@ -186,28 +189,29 @@ def _offsets(trees: list[Tree]) -> list[int]:
 
 
 class ExactVerifier(Verifier):
-    """Lossless verification: greedy rows walk their trees depth by depth together, projecting only the
-    nodes reached (one lm_head call per depth for the whole batch); sampled rows run the rejection walk,
-    projecting each node they visit. ``fused``: greedy rows use the Triton walk over full logits."""
+    """Lossless verification. Greedy rows walk their trees together: on the host, depth by depth,
+    projecting only the nodes reached (one lm_head call per depth for the whole batch; best on a CPU);
+    or ``on_device``, over the argmax of every node with one read-back (:func:`device_greedy`).
+    Sampled rows run the rejection walk, projecting each node they visit."""
 
     name = "exact"
 
-    def __init__(self, fused: bool = False):
-        self.fused = fused
+    def __init__(self, on_device: bool = False, kernel: bool = False):
+        self.on_device, self.kernel = on_device, kernel
 
     @classmethod
-    def from_config(cls, config, fused: bool = False) -> ExactVerifier:
-        return cls(fused=fused)
+    def from_config(cls, config, on_device: bool = False, kernel: bool = False) -> ExactVerifier:
+        return cls(on_device=on_device, kernel=kernel)
 
     def verify(self, states, trees, logits):
         offs = _offsets(trees)
         out: list[VerifyResult | None] = [None] * len(trees)
         greedy = [r for r, st in enumerate(states) if st.params.greedy]
-        if greedy and self.fused and max(len(trees[r]) for r in greedy) > 1:
-            for r, res in zip(greedy, _fused_greedy([trees[r] for r in greedy], logits, [offs[r] for r in greedy])):
-                out[r] = res
-        elif greedy:
-            for r, res in zip(greedy, _greedy_walk([trees[r] for r in greedy], logits, [offs[r] for r in greedy])):
+        walk = device_greedy if self.on_device and max((len(trees[r]) for r in greedy), default=1) > 1 else None
+        if greedy:
+            g_trees, g_offs = [trees[r] for r in greedy], [offs[r] for r in greedy]
+            done = walk(g_trees, logits, g_offs, self.kernel) if walk else _greedy_walk(g_trees, logits, g_offs)
+            for r, res in zip(greedy, done):
                 out[r] = res
         for r, st in enumerate(states):
             if out[r] is None:
@@ -234,31 +238,56 @@ def _greedy_walk(trees: list[Tree], logits: NodeLogits, offs: list[int]) -> list
     return res
 
 
-def _fused_greedy(trees: list[Tree], logits: NodeLogits, offs: list[int]) -> list[VerifyResult]:
-    """The greedy walk of every row in one Triton launch, over the argmax of all nodes."""
-    from draftheads.kernels.verify import greedy_verify
+def greedy_walk(tokens: torch.Tensor, parents: torch.Tensor, argmax: torch.Tensor, depth: int):
+    """The greedy walk of padded trees with tensor ops only (no host read): tokens/parents/argmax [R, W]
+    (padding: token -1, parent -2), ``depth`` the deepest tree's depth -> (accepted [R, depth] node
+    indices, -1 past the end; count [R]). At each node the child whose token is the target's argmax
+    there (the lowest index among equals) is taken."""
+    r, w = tokens.shape  # [R, W]
+    cols = torch.arange(w, device=tokens.device)
+    cur = torch.zeros(r, 1, dtype=torch.long, device=tokens.device)
+    alive = torch.ones(r, 1, dtype=torch.bool, device=tokens.device)
+    steps = []
+    for _ in range(depth):
+        match = (parents == cur) & (tokens == argmax.gather(1, cur)) & alive
+        child = torch.where(match, cols, w).min(1, keepdim=True).values
+        alive = child < w
+        steps.append(torch.where(alive, child, -1))
+        cur = torch.where(alive, child, cur)
+    accepted = torch.cat(steps, 1) if steps else torch.zeros(r, 0, dtype=torch.long, device=tokens.device)
+    return accepted, (accepted >= 0).sum(1)
 
+
+def device_greedy(trees: list[Tree], logits: NodeLogits, offs: list[int], kernel: bool = False) -> list[VerifyResult]:
+    """The greedy walk of every row on the device over the argmax of all nodes (the Triton kernel with
+    ``kernel``, else :func:`greedy_walk`), with one read-back of the accepted nodes and bonus tokens."""
     device = logits.hidden.device if logits.full is None else logits.full.device
-    idx = [o + i for o, t in zip(offs, trees) for i in range(len(t))]
-    argmax = logits.rows(idx).argmax(-1).to(torch.int32)
-    width = max(len(t) for t in trees)
-    tokens = torch.full((len(trees), width), -1, dtype=torch.int32)
-    parents = torch.full((len(trees), width), -2, dtype=torch.int32)
-    am = torch.full((len(trees), width), -1, dtype=torch.int32, device=device)
-    off = 0
+    rows, width = len(trees), max(len(t) for t in trees)
+    tokens = torch.full((rows, width), -1, dtype=torch.long)
+    parents = torch.full((rows, width), -2, dtype=torch.long)
     for r, t in enumerate(trees):
-        tokens[r, : len(t)] = torch.tensor(t.tokens, dtype=torch.int32)
-        parents[r, : len(t)] = torch.tensor(t.parents, dtype=torch.int32)
-        am[r, : len(t)] = argmax[off: off + len(t)]
-        off += len(t)
-    sizes = torch.tensor([len(t) for t in trees], dtype=torch.int32, device=device)
-    acc, count = greedy_verify(tokens.to(device), parents.to(device), am, sizes)
-    acc, count, am = acc.cpu(), count.cpu(), am.cpu()
+        tokens[r, : len(t)] = torch.tensor(t.tokens)
+        parents[r, : len(t)] = torch.tensor(t.parents)
+    where = torch.tensor([r * width + i for r, t in enumerate(trees) for i in range(len(t))], device=device)
+    argmax = torch.full((rows * width,), -1, dtype=torch.long, device=device)
+    argmax[where] = logits.rows([o + i for o, t in zip(offs, trees) for i in range(len(t))]).argmax(-1)
+    argmax = argmax.view(rows, width)
+    tokens, parents = tokens.to(device), parents.to(device)
+    if kernel:
+        from draftheads.kernels.verify import greedy_verify
+
+        sizes = torch.tensor([len(t) for t in trees], dtype=torch.int32, device=device)
+        accepted, count = greedy_verify(tokens.int(), parents.int(), argmax.int(), sizes)
+        accepted, count = accepted.long(), count.long()
+    else:
+        accepted, count = greedy_walk(tokens, parents, argmax, max(t.depth for t in trees))
+    last = torch.where(count > 0, accepted.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0], 0)
+    bonus = argmax.gather(1, last[:, None])
+    host = torch.cat([count[:, None], bonus, accepted], 1).tolist()  # the walk's one read-back
     out = []
-    for r, t in enumerate(trees):
-        nodes = acc[r, : int(count[r])].tolist()
-        last = nodes[-1] if nodes else 0
-        out.append(VerifyResult(nodes, [t.tokens[i] for i in nodes] + [int(am[r, last])]))
+    for t, (n, b, *acc) in zip(trees, host):
+        nodes = acc[:n]
+        out.append(VerifyResult(nodes, [t.tokens[i] for i in nodes] + [b]))
     return out
 
 
@@ -277,12 +306,12 @@ class SyntheticVerifier(Verifier):
         self.gen = torch.Generator().manual_seed(seed)
 
     @classmethod
-    def from_config(cls, config, fused: bool = False) -> SyntheticVerifier:
+    def from_config(cls, config, on_device: bool = False, kernel: bool = False) -> SyntheticVerifier:
         return cls(config.synthetic_rates)
 
     def verify(self, states, trees, logits):
-        out = []
-        for off, tree in zip(_offsets(trees), trees):
+        walks = []
+        for tree in trees:  # the walks come from the host generator; the bonus tokens are read in one go
             kids = tree.children()
             cur, accepted = 0, []
             for rate in self.rates:
@@ -290,8 +319,10 @@ class SyntheticVerifier(Verifier):
                     break
                 cur = kids[cur][0]
                 accepted.append(cur)
-            out.append(VerifyResult(accepted, [tree.tokens[i] for i in accepted] + [int(logits[off + cur].argmax())]))
-        return out
+            walks.append(accepted)
+        last = [off + (acc[-1] if acc else 0) for off, acc in zip(_offsets(trees), walks)]
+        bonus = logits.rows(last).argmax(-1).tolist()
+        return [VerifyResult(acc, [t.tokens[i] for i in acc] + [b]) for t, acc, b in zip(trees, walks, bonus)]
 
 
 VERIFIERS = {"exact": ExactVerifier, "synthetic": SyntheticVerifier}

@@ -149,11 +149,11 @@ def test_catch_up_after_plain_steps_gives_the_same_drafts(tiny_target):
         drafts = []
         orig = engine._propose
 
-        def propose(st, t):
+        def propose(live, t):
             if engine.steps in plain_steps:
-                return orig(st, None)
-            out = orig(st, t)
-            drafts.append((len(st.tokens), out.tokens))  # keyed by the position in the text
+                return orig(live, None)
+            out = orig(live, t)
+            drafts.append((len(live[0].tokens), out[0].tokens))  # keyed by the position in the text
             return out
 
         engine._propose = propose

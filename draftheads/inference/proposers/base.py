@@ -1,4 +1,5 @@
-"""The proposer interface: ``propose(state) -> Tree`` plus hooks to follow the committed sequence."""
+"""The proposer interface: ``propose(state, tree) -> Tree`` (``propose_batch`` for a step's rows) plus
+hooks to follow the committed sequence."""
 
 from __future__ import annotations
 
@@ -69,6 +70,11 @@ class Proposer:
     def propose(self, state: RequestState, tree: TreeSpec) -> Tree:  # pragma: no cover - interface
         """A tree of at most ``tree.total_tokens`` nodes and depth ``tree.depth``, rooted at ``state.root``."""
         raise NotImplementedError
+
+    def propose_batch(self, states: list[RequestState], tree: TreeSpec) -> list[Tree]:
+        """:meth:`propose` for several requests in one step (proposers that batch their drafting
+        override it)."""
+        return [self.propose(st, tree) for st in states]
 
     def observe(self, state: RequestState, hidden: dict[int, torch.Tensor], num_new: int) -> None:
         """After a verification: ``hidden[id]`` [num_new, H] for the newly committed tokens (the old root

@@ -26,9 +26,8 @@ import torch
 
 from draftheads.errors import DraftheadsError
 from draftheads.inference.proposers.base import FollowingProposer, RequestState
-from draftheads.inference.proposers.draft_tree import Node, select_tree
 from draftheads.inference.sampling import target_probs
-from draftheads.inference.tree import Tree, TreeSpec, chain_parents
+from draftheads.inference.tree import Node, Tree, TreeSpec, chain_parents, select_tree
 
 
 @dataclass

@@ -1,14 +1,16 @@
-"""Autoregressive drafting with a one-layer draft model and its own small KV cache, shared by the
+"""Autoregressive drafting with a one-layer draft model, batched over the engine's rows, shared by the
 EAGLE-1 and EAGLE-3 proposers, with EAGLE-2's dynamic tree.
 
 Draft entry p reads (feature of target position p, embedding of token x_{p+1}) at position p and
-predicts x_{p+2}. Committed entries (real target features) live in a per-request KV; tree entries
-use the draft's own output as the feature, attend to the committed entries plus their ancestors,
-and are discarded after each step.
+predicts x_{p+2}. Committed entries (real target features) stay in a preallocated :class:`DraftKV`;
+a step's tree entries use the draft's own output as the feature, are written after each row's
+committed entries, attend to those plus their ancestors, and are overwritten by the next step.
 
-Dynamic tree: the root's children are its top-k tokens; at every depth the top-k frontier nodes by
-cumulative log-probability are expanded into top-k children each; finally all drafted nodes are
-reranked by cumulative log-probability and the best ``total_tokens - 1`` kept.
+Dynamic tree, for all rows at once: the root's children are its top-k tokens; at every depth the
+top-k frontier nodes by cumulative log-probability are expanded into top-k children each (one draft
+forward over ``[rows, top_k]`` entries); finally all drafted nodes are reranked by cumulative
+log-probability and the best ``total_tokens - 1`` kept (:func:`select_nodes`). Everything stays on
+the device until the chosen trees are read back, once per step.
 """
 
 from __future__ import annotations
@@ -16,32 +18,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
+from draftheads.inference.draft_kv import DraftKV
 from draftheads.inference.proposers.base import FollowingProposer, RequestState
-from draftheads.inference.tree import Tree, TreeSpec
+from draftheads.inference.tree import Tree, TreeSpec, select_nodes
 
 
 @dataclass
 class DraftState:
-    k: torch.Tensor | None = None  # [1, kv_heads, n, D] committed draft keys
-    v: torch.Tensor | None = None
     last_out: torch.Tensor | None = None  # [H] draft output at the last committed entry
     last_logp: torch.Tensor | None = None  # [V'] its log-probabilities (head vocabulary)
     pending: list = field(default_factory=list)  # target hidden states of committed tokens not yet drafted over
 
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
 
-
-@dataclass
-class Node:
-    token: int  # head-vocabulary index
-    parent: int  # pool index, -1 = root
-    depth: int
-    score: float
-    out: torch.Tensor | None = None  # draft output of this node's entry (once expanded)
-    entry: int = -1  # index among the step's tree entries
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [R, T, S] -> additive mask [R, 1, T, S]."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))[:, None]
 
 
 class DraftTreeProposer(FollowingProposer):
@@ -54,6 +47,9 @@ class DraftTreeProposer(FollowingProposer):
         super().__init__()
         self.head = head.eval()
         self.embed = embed
+        attn = head.layers[0].self_attn
+        weight = next(head.parameters())
+        self.kv = DraftKV(attn.kvh, attn.d, weight.dtype, weight.device)
 
     # -- subclass interface ------------------------------------------------
 
@@ -61,8 +57,9 @@ class DraftTreeProposer(FollowingProposer):
         """[n, H] draft features of committed target positions."""
         raise NotImplementedError
 
-    def step(self, feats, tokens, positions, mask, past_kv, extra_kv):  # pragma: no cover
-        """feats [1, n, H], target token ids [1, n], positions [1, n] -> (out [1, n, H], (k, v))."""
+    def step(self, feats, tokens, positions, mask, cache):  # pragma: no cover
+        """feats [R, T, H], target token ids [R, T], positions [R, T], additive mask [R, 1, T, S], a
+        :class:`~draftheads.inference.draft_kv.DraftStep` -> (out [R, T, H], new (k, v))."""
         raise NotImplementedError
 
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:  # pragma: no cover
@@ -74,96 +71,103 @@ class DraftTreeProposer(FollowingProposer):
 
     # -- following the committed sequence (FollowingProposer keeps the hidden states) ---------------
 
+    def start(self, st: RequestState, hidden) -> None:
+        super().start(st, hidden)
+        self.kv.add(st.rid)
+
+    def finish(self, st: RequestState) -> None:
+        if st.rid in self.kv.slot:
+            self.kv.release(st.rid)
+        super().finish(st)
+
     @torch.no_grad()
-    def _catch_up(self, st: RequestState) -> DraftState:
-        ds = self.states[st.rid]
-        hidden = self.take_pending(st)
-        if hidden is None:
-            return ds
-        first_pos = ds.length
-        feats = self.entry_features(hidden)[None]  # [1, n, H]
-        n = feats.shape[1]
-        assert first_pos + n == st.kv_len, (first_pos, n, st.kv_len)
-        tokens = torch.tensor([st.tokens[first_pos + 1: first_pos + 1 + n]], device=feats.device)
-        pos = torch.arange(first_pos, first_pos + n, device=feats.device)[None]
-        mask = torch.zeros(1, 1, n, first_pos + n, dtype=feats.dtype, device=feats.device)
-        mask[..., first_pos:] = torch.full((n, n), float("-inf"), dtype=feats.dtype).triu(1)
-        past = (ds.k, ds.v) if ds.k is not None else None
-        out, (k, v) = self.step(feats, tokens, pos, mask, past, None)
-        ds.k = k if ds.k is None else torch.cat([ds.k, k], 2)
-        ds.v = v if ds.v is None else torch.cat([ds.v, v], 2)
-        ds.last_out = out[0, -1]
-        ds.last_logp = self.log_probs(out[0, -1:])[0]
-        return ds
+    def _catch_up(self, states: list[RequestState]) -> None:
+        """One draft forward over every row's committed tokens not yet drafted over (padded to the
+        longest), writing their entries into the draft KV."""
+        rows = [(st, h) for st in states if (h := self.take_pending(st)) is not None]
+        if not rows:
+            return
+        feats = [self.entry_features(h) for _, h in rows]  # each [n, H]
+        sizes = [f.shape[0] for f in feats]
+        firsts = [self.kv.length[st.rid] for st, _ in rows]
+        for (st, _), first, n in zip(rows, firsts, sizes):
+            assert first + n == st.kv_len, (first, n, st.kv_len)
+        width = max(sizes)
+        device = feats[0].device
+        tokens = torch.tensor([st.tokens[f + 1: f + 1 + n] + [0] * (width - n)
+                               for (st, _), f, n in zip(rows, firsts, sizes)], device=device)
+        pos = torch.tensor(firsts, device=device)[:, None] + torch.arange(width, device=device)  # [R, T]
+        keys = max(firsts) + width
+        visible = torch.arange(keys, device=device)[None, None] <= pos[:, :, None]  # causal over own entries
+        cache = self.kv.step([st.rid for st, _ in rows], pos, keys)
+        x = pad_sequence(feats, batch_first=True)  # [R, T, H]
+        out, _ = self.step(x, tokens, pos, _additive(visible, x.dtype), cache)
+        last = out[torch.arange(len(rows), device=device), torch.tensor(sizes, device=device) - 1]  # [R, H]
+        logp = self.log_probs(last)
+        for i, (st, _) in enumerate(rows):
+            self.kv.length[st.rid] = st.kv_len
+            ds = self.states[st.rid]
+            ds.last_out, ds.last_logp = last[i], logp[i]
 
     # -- drafting ------------------------------------------------------------
 
-    @torch.no_grad()
     def propose(self, st: RequestState, tree: TreeSpec) -> Tree:
-        ds = self._catch_up(st)
-        spec = tree
-        k = spec.top_k
-        top = torch.topk(ds.last_logp, min(k, ds.last_logp.numel()))
-        pool = [Node(int(t), -1, 1, float(s)) for s, t in zip(top.values, top.indices)]
-        frontier = list(range(len(pool)))
-        entries_k: list[torch.Tensor] = []
-        entries_v: list[torch.Tensor] = []
-        entry_nodes: list[int] = []
-        for depth in range(1, spec.depth):
-            # one draft forward over the frontier: each node's entry attends to the committed
-            # prefix, its ancestors' entries and itself
-            parents_out = torch.stack([
-                ds.last_out if pool[i].parent < 0 else pool[pool[i].parent].out for i in frontier
-            ])[None]
-            tokens = self.to_target_ids(torch.tensor([[pool[i].token for i in frontier]], device=parents_out.device))
-            pos = torch.full((1, len(frontier)), ds.length + depth - 1, device=parents_out.device)
-            n_extra = len(entry_nodes)
-            mask = torch.full((1, 1, len(frontier), ds.length + len(frontier) + n_extra), float("-inf"),
-                              dtype=parents_out.dtype, device=parents_out.device)
-            mask[..., : ds.length] = 0
-            for row, i in enumerate(frontier):
-                mask[0, 0, row, ds.length + row] = 0
-                a = pool[i].parent
-                while a >= 0:
-                    mask[0, 0, row, ds.length + len(frontier) + pool[a].entry] = 0
-                    a = pool[a].parent
-            out, (kk, vv) = self.step(parents_out, tokens, pos, mask, (ds.k, ds.v), (entries_k, entries_v))
-            for row, i in enumerate(frontier):
-                pool[i].out = out[0, row]
-                pool[i].entry = len(entry_nodes)
-                entry_nodes.append(i)
-            entries_k = entries_k + [kk]
-            entries_v = entries_v + [vv]
-            logp = self.log_probs(out[0])  # [frontier, V']
-            top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
-            cands = []
-            for row, i in enumerate(frontier):
-                for s, t in zip(top.values[row].tolist(), top.indices[row].tolist()):
-                    pool.append(Node(t, i, depth + 1, pool[i].score + s))
-                    cands.append(len(pool) - 1)
-            frontier = sorted(cands, key=lambda j: -pool[j].score)[:k]
-        return self._select(st.root, pool, spec.total_tokens)
+        return self.propose_batch([st], tree)[0]
 
-    def _select(self, root: int, pool: list[Node], total_tokens: int) -> Tree:
-        return select_tree(root, pool, total_tokens, lambda ids: self.to_target_ids(ids.to(self.head_device)))
+    @torch.no_grad()
+    def propose_batch(self, states: list[RequestState], tree: TreeSpec) -> list[Tree]:
+        self._catch_up(states)
+        rids = [st.rid for st in states]
+        lengths = [self.kv.length[r] for r in rids]
+        ds = [self.states[r] for r in rids]
+        last_out = torch.stack([d.last_out for d in ds])  # [R, H]
+        last_logp = torch.stack([d.last_logp for d in ds])  # [R, V']
+        r, hidden = last_out.shape
+        device = last_out.device
+        k = min(tree.top_k, last_logp.shape[-1])
+        lens = torch.tensor(lengths, device=device)  # [R]
+        top = torch.topk(last_logp, k)
+        # the pool, as per-depth pieces [R, n]: head-vocabulary token, cumulative score, parent (pool index), depth
+        tok, score, par, dep = [top.indices], [top.values.clamp(max=0)], [torch.full((r, k), -1, device=device)], [1]
+        frontier = torch.arange(k, device=device).expand(r, k)  # pool indices being expanded
+        f_tok, f_score, f_in = top.indices, score[0], last_out[:, None].expand(r, k, hidden)
+        entries = (tree.depth - 1) * k
+        anc = torch.zeros(r, max(entries, 1), max(entries, 1), dtype=torch.bool, device=device)  # entry ancestry
+        f_anc = torch.zeros(r, k, anc.shape[2], dtype=torch.bool, device=device)  # entries above each frontier node
+        size = k
+        for d in range(1, tree.depth):
+            # the frontier becomes entries e0 .. e0 + k - 1; each sees the committed prefix and its ancestors
+            e0 = (d - 1) * k
+            own = torch.arange(e0, e0 + k, device=device)
+            anc[:, own] = f_anc
+            anc[:, own, own] = True
+            keys = max(lengths) + e0 + k
+            rel = torch.arange(keys, device=device)[None] - lens[:, None]  # [R, S] key position after the prefix
+            tail = anc[:, own].gather(2, rel.clamp(0, entries - 1)[:, None].expand(r, k, keys))
+            visible = (rel < 0)[:, None] | (tail & (rel < e0 + k)[:, None])  # [R, k, S]
+            cache = self.kv.step(rids, lens[:, None] + own, keys)
+            pos = (lens + d - 1)[:, None].expand(r, k)
+            out, _ = self.step(f_in, self.to_target_ids(f_tok), pos, _additive(visible, f_in.dtype), cache)
+            logp = self.log_probs(out.reshape(r * k, hidden)).view(r, k, -1)
+            top = torch.topk(logp, k, dim=-1)  # [R, k, k]
+            c_score = (f_score[:, :, None] + top.values.clamp(max=0)).reshape(r, k * k)
+            c_tok = top.indices.reshape(r, k * k)
+            tok.append(c_tok)
+            score.append(c_score)
+            par.append(frontier[:, :, None].expand(r, k, k).reshape(r, k * k))
+            dep.append(d + 1)
+            best = torch.sort(c_score, dim=1, descending=True, stable=True).indices[:, :k]  # [R, k]
+            frontier = size + best
+            size += k * k
+            f_tok, f_score = c_tok.gather(1, best), c_score.gather(1, best)
+            f_anc = anc.gather(1, (e0 + best // k)[:, :, None].expand(r, k, entries))
+            f_in = out.gather(1, (best // k)[:, :, None].expand(r, k, hidden))
+        depth = torch.cat([torch.full_like(t, n) for t, n in zip(tok, dep)], 1)
+        nodes, parents = select_nodes(torch.cat(score, 1), depth, torch.cat(par, 1), tree.total_tokens - 1)
+        ids = self.to_target_ids(torch.cat(tok, 1).gather(1, nodes))
+        host = torch.stack([ids, parents]).tolist()  # the step's one read-back
+        return [Tree([st.root, *t], [-1, *p]) for st, t, p in zip(states, host[0], host[1])]
 
     @property
     def head_device(self):
         return next(self.head.parameters()).device
-
-
-def select_tree(root: int, pool: list[Node], total_tokens: int, to_target_ids) -> Tree:
-    """The best ``total_tokens - 1`` drafted nodes by cumulative log-probability (with their ancestors),
-    as a tree rooted at ``root``; ``to_target_ids`` maps head-vocabulary indices [n] to target ids."""
-    keep = sorted(range(len(pool)), key=lambda j: (-pool[j].score, pool[j].depth))[: total_tokens - 1]
-    chosen = set(keep)
-    for j in keep:  # ancestor closure (scores never grow with depth, but ties may reorder)
-        a = pool[j].parent
-        while a >= 0 and a not in chosen:
-            chosen.add(a)
-            a = pool[a].parent
-    order = sorted(chosen, key=lambda j: (pool[j].depth, j))
-    index = {j: n + 1 for n, j in enumerate(order)}
-    ids = to_target_ids(torch.tensor([pool[j].token for j in order], dtype=torch.long)).tolist()
-    parents = [-1] + [0 if pool[j].parent < 0 else index[pool[j].parent] for j in order]
-    return Tree([root, *ids], parents)

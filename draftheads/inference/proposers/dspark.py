@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from draftheads.inference.projection import vocab_logits
 from draftheads.inference.proposers.dflash import DFlashProposer
 
 DEFAULT_MIN_SURVIVAL = 0.1
@@ -30,7 +31,7 @@ class DSparkProposer(DFlashProposer):
         if self._weight is None:  # the projection with the Markov columns, built once
             self._weight = self.head.markov_projection(self.lm_head).to(hidden.dtype)
         x = self.head.markov_inputs(hidden.expand(prev.shape[0], -1), prev)
-        return (x @ self._weight.T).float()
+        return vocab_logits(x, self._weight).float()
 
     def survival_cut(self, hidden: torch.Tensor, prev: torch.Tensor) -> float:
         if not self.head.config.confidence_head:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from draftheads.inference.projection import vocab_logits
 from draftheads.inference.proposers.draft_tree import DraftTreeProposer
 
 
@@ -19,12 +20,11 @@ class EagleProposer(DraftTreeProposer):
     def entry_features(self, hidden):
         return hidden[self.layer_ids[0]].to(self.weight.dtype)
 
-    def step(self, feats, tokens, positions, mask, past_kv, extra_kv):
-        return self.head(self.embed(tokens).to(feats.dtype), feats, positions, mask=mask, past_kv=past_kv,
-                         extra_kv=extra_kv)
+    def step(self, feats, tokens, positions, mask, cache):
+        return self.head(self.embed(tokens).to(feats.dtype), feats, positions, mask=mask, cache=cache)
 
     def log_probs(self, out):
-        return torch.log_softmax((self.head.normed(out) @ self.weight.T).float(), -1)
+        return torch.log_softmax(vocab_logits(self.head.normed(out), self.weight).float(), -1)
 
     def to_target_ids(self, ids):
         return self.head.to_target_ids(ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from draftheads.inference.projection import vocab_logits
 from draftheads.inference.proposers.draft_tree import DraftTreeProposer
 
 
@@ -19,12 +20,11 @@ class Eagle3Proposer(DraftTreeProposer):
         dtype = self.head.fc.weight.dtype
         return self.head.fuse(torch.cat([hidden[i].to(dtype) for i in self.layer_ids], -1))
 
-    def step(self, feats, tokens, positions, mask, past_kv, extra_kv):
-        return self.head(self.embed(tokens).to(feats.dtype), feats, positions, mask=mask, past_kv=past_kv,
-                         extra_kv=extra_kv)
+    def step(self, feats, tokens, positions, mask, cache):
+        return self.head(self.embed(tokens).to(feats.dtype), feats, positions, mask=mask, cache=cache)
 
     def log_probs(self, out):
-        return torch.log_softmax(self.head.lm_head(self.head.normed(out)).float(), -1)
+        return torch.log_softmax(vocab_logits(self.head.normed(out), self.head.lm_head.weight).float(), -1)
 
     def to_target_ids(self, ids):
         return self.head.to_target_ids(ids)
