@@ -22,7 +22,7 @@ from draftheads.errors import DraftheadsError
 from draftheads.inference.engine import Engine
 from draftheads.inference.kv_cache import PagedKVCache
 from draftheads.inference.proposers.base import RequestState
-from draftheads.inference.sampling import SamplingParams, sample_next
+from draftheads.inference.sampling import SamplingParams, sample_rows
 from draftheads.inference.tree import Tree
 from draftheads.training.losses import linear_argmax
 
@@ -127,6 +127,8 @@ class ContinuousBatcher:
             node_logits, hidden = eng.forward(cache, [r.state for r in rows], trees, self._layers())
             logits = node_logits.rows([e - 1 for e in ends])
             stored = {i: h.to(self.feature_dtype) for i, h in hidden.items() if i in self.capture}
+            picked = sample_rows(logits, [r.state.params for r in rows], [r.state.generator for r in rows])
+            greedy = logits.argmax(-1).tolist() if self.capture else None  # the target's argmax, for the cache
             still = []
             for n, row in enumerate(rows):
                 s, e = ends[n] - len(trees[n]), ends[n]
@@ -137,9 +139,9 @@ class ContinuousBatcher:
                     am = torch.empty(e - s, dtype=torch.long)
                     if e - s > 1:  # prompt positions: the logits were not kept, project their last state
                         am[:-1] = linear_argmax(hidden[self.last][s: e - 1], lm_head).cpu()
-                    am[-1] = int(logits[n].argmax())
+                    am[-1] = greedy[n]
                     row.argmax.append(am)
-                if row.closing or not self._step(row, logits[n]):
+                if row.closing or not self._step(row, picked[n]):
                     free_regions.append(row.region)
                     cache.release(row.state.rid)
                     yield self._finish(row)
@@ -161,10 +163,10 @@ class ContinuousBatcher:
         room = self.max_seq_len - len(row.state.tokens)
         return min(row.conv.params.max_new_tokens - made, room)
 
-    def _step(self, row: _Row, logits: torch.Tensor) -> bool:
-        """Sample after a forward; False when the conversation is over (and needs no closing feed)."""
+    def _step(self, row: _Row, tok: int) -> bool:
+        """Take the token sampled after a forward; False when the conversation is over (and needs no closing
+        feed)."""
         st = row.state
-        tok = sample_next(logits, st.params, st.generator)
         st.tokens.append(tok)
         row.mask.append(1)
         self.tokens_generated += 1

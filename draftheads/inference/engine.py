@@ -16,7 +16,7 @@ from draftheads.inference.kv_cache import PagedKVCache
 from draftheads.inference.metrics import SpecMetrics
 from draftheads.inference.policy import AutoTree, RequestSwitch
 from draftheads.inference.proposers.base import Proposer, RequestState
-from draftheads.inference.sampling import SamplingParams, request_generator, sample_next
+from draftheads.inference.sampling import SamplingParams, request_generator, sample_rows
 from draftheads.inference.tree import (
     DEFAULT_TREE,
     MAX_TREE_TOKENS,
@@ -217,12 +217,13 @@ class Engine:
         trees = [Tree(list(st.tokens), [-1] + list(range(len(st.tokens) - 1))) for st in states]
         ends = list(itertools.accumulate(len(t) for t in trees))
         logits, hidden = self.forward(cache, states, trees, layer_ids)
-        last = logits.rows([e - 1 for e in ends])
+        first = sample_rows(logits.rows([e - 1 for e in ends]), [st.params for st in states],
+                            [st.generator for st in states])
         off = 0
-        for row, st in enumerate(states):
+        for st, tok in zip(states, first):
             n = len(st.tokens)
             cache.truncate(st.rid, n)
-            self._emit(st, [sample_next(last[row], st.params, st.generator)])
+            self._emit(st, [tok])
             if self.proposer:
                 self.proposer.start(st, {i: h[off: off + n] for i, h in hidden.items()})
             off += n

@@ -55,11 +55,13 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from ``logits`` [V]: the argmax when greedy, else a draw under ``params``."""
-    if params.greedy:
-        return int(logits.argmax())
-    return int(torch.multinomial(target_probs(logits, params), 1, generator=generator).item())
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
+    """One token per row of ``logits`` [R, V]: the argmax when the row's params are greedy, else a draw
+    under them from its generator; read back to the host in one go."""
+    picks = [logits[r].argmax(-1, keepdim=True) if p.greedy else
+             torch.multinomial(target_probs(logits[r], p), 1, generator=g) for r, (p, g) in enumerate(zip(params, generators))]
+    return torch.cat(picks).tolist() if picks else []
+
 
 
 def request_generator(seed: int, device: torch.device | str) -> torch.Generator:
