@@ -207,10 +207,12 @@ class ExactVerifier(Verifier):
         offs = _offsets(trees)
         out: list[VerifyResult | None] = [None] * len(trees)
         greedy = [r for r, st in enumerate(states) if st.params.greedy]
-        walk = device_greedy if self.on_device and max((len(trees[r]) for r in greedy), default=1) > 1 else None
         if greedy:
             g_trees, g_offs = [trees[r] for r in greedy], [offs[r] for r in greedy]
-            done = walk(g_trees, logits, g_offs, self.kernel) if walk else _greedy_walk(g_trees, logits, g_offs)
+            if self.on_device and max(len(t) for t in g_trees) > 1:
+                done = device_greedy(g_trees, logits, g_offs, self.kernel)
+            else:
+                done = _greedy_walk(g_trees, logits, g_offs)
             for r, res in zip(greedy, done):
                 out[r] = res
         for r, st in enumerate(states):

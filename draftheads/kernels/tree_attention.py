@@ -79,6 +79,21 @@ def _kv_tile(K, V, table, kt, kvh, kv_end, stride_kb, stride_ks, stride_kh,
 
 
 @triton.jit
+def _softmax_step(s, v, m_i, l_i, acc, Q, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold one key tile into the online softmax: scores ``s`` [BLOCK_M, BLOCK_N] (base 2, -inf where a key
+    is hidden), values ``v`` [BLOCK_N, D_PAD] -> the new (m_i, l_i, acc). A row with nothing visible yet
+    keeps l_i and acc at zero. P is rounded to Q's dtype before the PV dot (on fp32 copies with DOT_F32)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    dot_ty = tl.float32 if DOT_F32 else Q.dtype.element_ty
+    acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty).to(dot_ty), v.to(dot_ty), input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_tree_attn_kernel(
     Q, K, V, OUT,  # Q/OUT [T, H, D]; K/V [num_blocks, block_size, KVH, D]
     PART_O, PART_LSE,  # [S, T, H, D] fp32, [S, T, H] fp32 (base-2 log-sum-exp); unused when NUM_SPLITS == 1
@@ -129,13 +144,7 @@ def _paged_tree_attn_kernel(
         k, v = _kv_tile(K, V, table, kt, kvh, kv_end, stride_kb, stride_ks, stride_kh,
                         BLOCK_N, BLOCK_SIZE, HEAD_DIM, D_PAD, False)
         s = tl.dot(q, k.to(dot_ty), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty).to(dot_ty), v.to(dot_ty),
-                                              input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, Q, DOT_F32, PRECISION)
     for kt in range(tl.maximum(lo, n_full), hi):
         k, v = _kv_tile(K, V, table, kt, kvh, kv_end, stride_kb, stride_ks, stride_kh,
                         BLOCK_N, BLOCK_SIZE, HEAD_DIM, D_PAD, True)
@@ -149,14 +158,7 @@ def _paged_tree_attn_kernel(
                            other=0)
             visible = visible & ((j < 0)[None, :] | (((word >> (jj % 32)[None, :]) & 1) != 0))
         s = tl.where(visible, s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty).to(dot_ty), v.to(dot_ty),
-                                              input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, Q, DOT_F32, PRECISION)
 
     o_mask = m_ok[:, None] & d_ok[None, :]
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)

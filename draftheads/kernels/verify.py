@@ -7,7 +7,7 @@
   :func:`draftheads.inference.verify.verify_sampled_uniforms`).
 * ``commit_kv_layers``: copies every accepted node's K/V (all rows, all layers) from its tree slot to
   its final slot in one launch (each row's moves in order, so overlapping source/destination ranges are
-  safe); ``commit_kv`` is its one-layer, one-row form.
+  safe).
 
 Each launcher checks shapes and sets the grid; ``*_ref`` are the torch references.
 """
@@ -191,14 +191,3 @@ def commit_kv_layers_ref(kv, src, dst, row_start=None) -> None:
     """Gather every source, then scatter (the same result as the in-order moves under their precondition)."""
     kv.index_copy_(2, dst, torch.index_select(kv, 2, src))
 
-
-def commit_kv(kv_flat: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """kv_flat [2, slots, kv_heads, head_dim]: copy slots ``src`` -> ``dst`` (int64 [n]) for K and V of one layer,
-    the moves in order (one row for :func:`commit_kv_layers`)."""
-    assert kv_flat.dim() == 4 and kv_flat.shape[0] == 2 and kv_flat.is_contiguous()
-    row_start = torch.tensor([0, src.numel()], dtype=torch.int64, device=src.device)
-    commit_kv_layers(kv_flat[None], src, dst, row_start)
-
-
-def commit_kv_ref(kv_flat, src, dst) -> None:
-    kv_flat.index_copy_(1, dst, torch.index_select(kv_flat, 1, src))

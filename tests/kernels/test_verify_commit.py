@@ -5,10 +5,8 @@ from draftheads.inference.kv_cache import PagedKVCache
 from draftheads.inference.tree import Tree
 from draftheads.inference.verify import verify_greedy
 from draftheads.kernels.verify import (
-    commit_kv,
     commit_kv_layers,
     commit_kv_layers_ref,
-    commit_kv_ref,
     greedy_verify,
     greedy_verify_ref,
 )
@@ -55,8 +53,9 @@ def test_commit_kernel_matches_reference_with_overlapping_moves():
     src = torch.tensor([12, 13, 35], device=DEVICE)
     dst = torch.tensor([11, 12, 32], device=DEVICE)
     want = kv.clone()
-    commit_kv_ref(want, src, dst)
-    commit_kv(kv, src, dst)
+    one_row = torch.tensor([0, src.numel()], device=DEVICE)  # every move in order, in one program
+    commit_kv_layers_ref(want[None], src, dst)
+    commit_kv_layers(kv[None], src, dst, one_row)
     torch.testing.assert_close(kv, want, rtol=0, atol=0)
 
 

@@ -21,6 +21,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from draftheads.inference.draft_kv import DraftKV
+from draftheads.inference.projection import vocab_logits
 from draftheads.inference.proposers.base import FollowingProposer, RequestState
 from draftheads.inference.tree import Tree, TreeSpec, select_nodes
 
@@ -38,15 +39,17 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class DraftTreeProposer(FollowingProposer):
-    """Subclasses define ``entry_features`` (target hidden states -> draft features) and ``step``
-    (one draft forward) plus ``log_probs`` and ``to_target_ids``."""
+    """Subclasses set ``layer_ids`` and define ``entry_features`` (target hidden states -> draft features).
+    The head embeds tokens with the target's embedding and projects its normed output through
+    ``head.projection`` (its own draft vocabulary, or the target's lm_head)."""
 
     state_type = DraftState
 
-    def __init__(self, head, embed: torch.nn.Module):
+    def __init__(self, head, target):
         super().__init__()
         self.head = head.eval()
-        self.embed = embed
+        self.embed = target.get_input_embeddings()
+        self.weight = head.projection(target.get_output_embeddings().weight)  # [V', H]
         attn = head.layers[0].self_attn
         weight = next(head.parameters())
         self.kv = DraftKV(attn.kvh, attn.d, weight.dtype, weight.device)
@@ -57,17 +60,17 @@ class DraftTreeProposer(FollowingProposer):
         """[n, H] draft features of committed target positions."""
         raise NotImplementedError
 
-    def step(self, feats, tokens, positions, mask, cache):  # pragma: no cover
+    def step(self, feats, tokens, positions, mask, cache):
         """feats [R, T, H], target token ids [R, T], positions [R, T], additive mask [R, 1, T, S], a
         :class:`~draftheads.inference.draft_kv.DraftStep` -> (out [R, T, H], new (k, v))."""
-        raise NotImplementedError
+        return self.head(self.embed(tokens).to(feats.dtype), feats, positions, mask=mask, cache=cache)
 
-    def log_probs(self, out: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+    def log_probs(self, out: torch.Tensor) -> torch.Tensor:
         """[n, H] -> [n, V'] log-probabilities over the head vocabulary."""
-        raise NotImplementedError
+        return torch.log_softmax(vocab_logits(self.head.normed(out), self.weight).float(), -1)
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids
+        return self.head.to_target_ids(ids)
 
     # -- following the committed sequence (FollowingProposer keeps the hidden states) ---------------
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from draftheads.inference.projection import vocab_logits
 from draftheads.inference.proposers.draft_tree import DraftTreeProposer
 
 
@@ -13,18 +12,9 @@ class Eagle3Proposer(DraftTreeProposer):
     name = "eagle3"
 
     def __init__(self, head, target):
-        super().__init__(head, target.get_input_embeddings())
+        super().__init__(head, target)
         self.layer_ids = tuple(head.config.aux_layer_ids)
 
     def entry_features(self, hidden):
         dtype = self.head.fc.weight.dtype
         return self.head.fuse(torch.cat([hidden[i].to(dtype) for i in self.layer_ids], -1))
-
-    def step(self, feats, tokens, positions, mask, cache):
-        return self.head(self.embed(tokens).to(feats.dtype), feats, positions, mask=mask, cache=cache)
-
-    def log_probs(self, out):
-        return torch.log_softmax(vocab_logits(self.head.normed(out), self.head.lm_head.weight).float(), -1)
-
-    def to_target_ids(self, ids):
-        return self.head.to_target_ids(ids)
