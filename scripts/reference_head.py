@@ -104,6 +104,17 @@ def plain_decode_rate(tokens: int = 64) -> float:
     return out.metrics.tokens_per_s
 
 
+def native_dtype() -> str:
+    """bfloat16 where the hardware computes it natively (a CUDA device with bf16, or a CPU oneDNN runs bf16
+    kernels on), else float32: emulated bf16 is slower than float32."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()
+    return "bfloat16" if native else "float32"
+
+
 def train_config(run: Path, name: str, epochs: int | None, fraction: float = 1.0,
                  base: str = "configs/smollm2-eagle3-reference.yaml") -> Path:
     """``base`` (a reference config) with its paths under ``run/name``."""
@@ -154,7 +165,9 @@ def main() -> int:
     p.add_argument("--synth-prompts", type=int, default=4000, help="prompts the target writes (plus the bundled 228)")
     p.add_argument("--max-new-tokens", type=int, default=384, help="answer length when distilling")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--dtype", default="float32", help="distill dtype (bfloat16 is faster on CPUs with bf16 units)")
+    p.add_argument("--dtype", default="auto",
+                   help="synthesize and distill dtype; auto: bfloat16 where the CPU or GPU computes it natively "
+                        "(2-3x faster than float32 on a CPU with AVX512-BF16), else float32")
     p.add_argument("--epochs", type=int, default=None, help="override the config's max_epochs")
     p.add_argument("--eval-per-domain", type=int, default=12)
     p.add_argument("--eval-tokens", type=int, default=128)
@@ -168,6 +181,8 @@ def main() -> int:
     redo = set(STAGES) if args.redo == "all" else {s for s in args.redo.split(",") if s}
     if redo - set(STAGES):
         sys.exit(f"reference-head: --redo {sorted(redo - set(STAGES))} unknown: use all or some of {','.join(STAGES)}")
+    if args.dtype == "auto":
+        args.dtype = native_dtype()
     root = ROOT / args.run
     run = Run(root)
     dh = str(BIN / "draftheads")
@@ -191,6 +206,7 @@ def main() -> int:
         run.times["plain_tok_s"] = round(plain_decode_rate(), 2)
         run.times_file.write_text(json.dumps(run.times, indent=2))
     run.say(f"machine: plain decode {run.times['plain_tok_s']:.1f} tok/s at batch 1 (fp32, engine)")
+    run.say(f"synthesize and distill in {args.dtype}")
 
     run.stage("synthesize", synth, lambda: run.cmd("synthesize", [
         dh, "synthesize", "--num-prompts", str(args.synth_prompts), "--batch-size", str(args.batch_size),

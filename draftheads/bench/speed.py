@@ -71,7 +71,7 @@ def proposer_speeds(target, proposers: dict, prompts: list[list[int]], n: int, p
         if m != "plain":
             r = t.ratio(m)
             out[m].update(ratio_median=r["median"], ratio_q25=r["q25"], ratio_q75=r["q75"], ratio_ci95=r["ci95"],
-                          implausible=r["flagged"])
+                          implausible=r["flagged"], above_bound=r["above_bound"])
         if m in engines and engines[m].proposer is not None:
             agg = t.metrics(m)
             out[m].update(tau=agg.tau, alpha=agg.alpha, tokens_per_forward=tokens_per_forward(agg),
@@ -101,7 +101,7 @@ def batch_sweep(target, proposers: dict, prompts: list[list[int]], n: int, batch
         t = interleaved(methods, [rows] * repeats)
         for name in engines:
             r = t.ratio(name)
-            out[name][b] = {k: r[k] for k in ("speedup", "median", "q25", "q75", "ci95", "pairs")}
+            out[name][b] = {k: r[k] for k in ("speedup", "median", "q25", "q75", "ci95", "pairs", "above_bound")}
             progress(f"batch sweep: {name} batch {b}: {r['speedup']:.2f}x, median {r['median']:.2f}x "
                      f"(95% CI {r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}, {r['pairs']} pairs)")
     return out
@@ -161,6 +161,8 @@ def tables(res: dict) -> str:
                    f"{v['ratio_ci95'][0]:.2f}-{v['ratio_ci95'][1]:.2f})" if "ratio_median" in v else "-")
             if v.get("implausible"):
                 med += f", {v['implausible']} prompts disturbed (above τ), re-run"
+            if v.get("above_bound"):
+                med += ", ABOVE the tokens-per-forward bound: noise or a disturbed run, re-run"
             drafted = f"{v['drafted_steps']}/{v['steps']}" if "steps" in v else "-"
             lines.append(f"| {m} | {v['tokens_per_s']:.1f} | {v['ratio_vs_plain']:.2f}x | {med} | {tau} | {drafted} |")
         lines.append("")
@@ -193,7 +195,8 @@ def tables(res: dict) -> str:
 
 def _sweep_cell(v: dict) -> str:
     lo, hi = v["ci95"]
-    return f"{v['speedup']:.2f}x (median {v['median']:.2f}x, CI {lo:.2f}-{hi:.2f}, {v['pairs']} pairs)"
+    flag = ", ABOVE its τ bound: re-run" if v.get("above_bound") else ""
+    return f"{v['speedup']:.2f}x (median {v['median']:.2f}x, CI {lo:.2f}-{hi:.2f}, {v['pairs']} pairs{flag})"
 
 
 def plots(res: dict, out) -> list:

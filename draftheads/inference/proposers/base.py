@@ -54,7 +54,7 @@ class Proposer:
 
     name = "none"
     layer_ids: tuple[int, ...] = ()
-    auto_trees: tuple[str, ...] = ("chain2", "small", "medium", "large")
+    auto_trees: tuple[str, ...] = ("chain1", "chain2", "small", "medium", "large")
 
     def check_tree(self, tree: TreeSpec) -> None:
         """Raise :class:`DraftheadsError` when this proposer cannot draft ``tree``."""

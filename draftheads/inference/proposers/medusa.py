@@ -14,7 +14,7 @@ from draftheads.inference.tree import Tree, TreeSpec, static_tree
 class MedusaProposer(Proposer):
     name = "medusa"
 
-    auto_trees = ("chain2", "chain4", "small", "medium")
+    auto_trees = ("chain1", "chain2", "chain4", "small", "medium")
 
     def __init__(self, head, target):
         self.head = head.eval()
