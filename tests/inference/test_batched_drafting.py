@@ -33,7 +33,8 @@ def model64(model):
 
 
 def _trees_after_prefill(model, head, cls, prompts, tree, batched):
-    """Drafts for every prompt after a prefill, in one batch or one row at a time (fresh proposers)."""
+    """Drafts for every prompt after a prefill, in one batch or one row at a time (fresh proposers);
+    ``batched`` may also be a function (proposer, states, tree) -> trees."""
     proposer = cls(head, model)
     engine = Engine(model, proposer=proposer, tree=tree)
     states = [engine.request_state(i, p, SamplingParams()) for i, p in enumerate(prompts)]
@@ -42,6 +43,8 @@ def _trees_after_prefill(model, head, cls, prompts, tree, batched):
             out = model(torch.tensor([st.tokens]), output_hidden_states=True)
             st.tokens.append(int(out.logits[0, -1].argmax()))
             proposer.start(st, {i: out.hidden_states[i][0] for i in proposer.layer_ids})
+    if callable(batched):
+        return batched(proposer, states, tree)
     if batched:
         return proposer.propose_batch(states, tree)
     return [proposer.propose(st, tree) for st in states]
@@ -59,6 +62,33 @@ def test_batched_trees_equal_per_row_trees(model64, name, tree):
     for a, b in zip(batched, alone):
         assert (a.tokens, a.parents) == (b.tokens, b.parents)
         assert len(a) == tree.total_tokens and a.depth <= tree.depth
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark"])
+def test_block_chains_of_a_batch_equal_the_top_k_walk_per_row(model64, name):
+    """Greedy chains decoded for the whole batch at once (one projection, one read-back) give what the
+    general top-k walk gives at k = 1 for each request alone, with DSpark's Markov bias and its
+    confidence cut."""
+    from draftheads.inference.projection import vocab_logits
+    from draftheads.inference.proposers.dflash import DFlashProposer
+    from draftheads.inference.proposers.dspark import DSparkProposer
+
+    cls = {"dflash": DFlashProposer, "dspark": DSparkProposer}[name]
+    head = random_heads(model64)[name].double()
+    chain = TreeSpec(depth=3, top_k=1, total_tokens=4)
+
+    @torch.no_grad()
+    def walk(proposer, states, tree):
+        out = []
+        for st in states:
+            h = proposer.block_hidden(st)[: tree.depth]
+            out.append(proposer._tree(st, h, vocab_logits(h, proposer.weight).float(), tree))
+        return out
+    batched = _trees_after_prefill(model64, head, cls, PROMPTS, chain, batched=True)
+    alone = _trees_after_prefill(model64, head, cls, PROMPTS, chain, batched=walk)
+    assert [(a.tokens, a.parents) for a in batched] == [(b.tokens, b.parents) for b in alone]
+    lengths = {len(t) for t in batched}
+    assert lengths == {4} if name == "dflash" else len(lengths) > 1  # the random confidence head cuts some
 
 
 def test_select_nodes_ranks_by_score_then_depth_and_keeps_parents_first():

@@ -74,8 +74,8 @@ def test_confidence_cuts_the_chain_where_survival_falls(tiny_target):
         head.confidence_head.proj.bias.zero_()
     trees = []
     proposer = DSparkProposer(head, model, min_survival=0.2)  # 0.5, 0.25 kept; 0.125 cut
-    propose = proposer.propose
-    proposer.propose = lambda st, spec: trees.append(propose(st, spec)) or trees[-1]
+    propose = proposer.propose_batch
+    proposer.propose_batch = lambda states, spec: trees.extend(propose(states, spec)) or trees[-len(states):]
     prompts = [[5, 9, 14, 3, 8, 2], [7, 7, 1, 30, 4]]
     params = SamplingParams(max_new_tokens=12, stop_at_eos=False)
     spec = Engine(model, proposer=proposer, tree="chain4").generate(prompts, params)

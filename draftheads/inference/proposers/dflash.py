@@ -14,8 +14,9 @@ positions P + 1 .. P + block_size - 1.
   of log-probabilities along its path. At each depth the ``top_k`` best frontier nodes are expanded,
   then the best ``total_tokens - 1`` nodes are kept (the EAGLE-2 selection, on one forward's output).
 
-Subclasses change a position's logits by the token before it (:meth:`DFlashProposer.logits`, DSpark's
-Markov head) and estimate each draft's survival (:meth:`DFlashProposer.survival_cut`).
+The backbone logits of every block position come from one projection (for every drafting request at
+once); subclasses add a bias by the token before each position (:meth:`DFlashProposer.bias`, DSpark's
+Markov head) and estimate each draft's survival (:meth:`DFlashProposer.survival`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftheads.errors import DraftheadsError
+from draftheads.inference.projection import vocab_logits
 from draftheads.inference.proposers.base import FollowingProposer, RequestState
 from draftheads.inference.sampling import target_probs
 from draftheads.inference.tree import Node, Tree, TreeSpec, chain_parents, select_tree
@@ -54,6 +56,7 @@ class DFlashProposer(FollowingProposer):
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings().weight
         self.layer_ids = tuple(head.config.target_layer_ids)
+        self._weight = None
 
     def check_tree(self, tree: TreeSpec) -> None:
         super().check_tree(tree)
@@ -103,26 +106,72 @@ class DFlashProposer(FollowingProposer):
         mask = torch.cat([ctx_ok, own], -1)[None, None]
         return self.head(block, pos, bs.kv, mask)[0, cfg.first_draft_slot:]
 
-    def logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """One block position's logits over the head vocabulary: hidden [H], target ids of the tokens
-        before it [n] -> [n or 1, V'] (DFlash's positions do not depend on the token before)."""
-        return (hidden @ self.head.projection(self.lm_head).to(hidden.dtype).T)[None].float()
+    @property
+    def weight(self) -> torch.Tensor:
+        """[V', H] the head-vocabulary projection (the own draft head, or the target's lm_head)."""
+        if self._weight is None:
+            self._weight = self.head.projection(self.lm_head).to(self.head.fc.weight.dtype)
+        return self._weight
 
-    def survival_cut(self, hidden: torch.Tensor, prev: torch.Tensor) -> float:
-        """Estimated probability that this position's draft is accepted once the ones before it were,
-        given the target id of the token before it (prev [1]); 1 without a confidence estimate."""
-        return 1.0
+    def bias(self, prev: torch.Tensor) -> torch.Tensor | None:
+        """Additive logits [n, V'] of the positions after the target ids ``prev`` [n]; None: DFlash's
+        positions do not depend on the token before (DSpark's Markov head does)."""
+        return None
+
+    def survival(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        """Estimated probability [n] that each draft at hidden [n, H] is accepted once the ones before it
+        were, given the target ids of the tokens before (prev [n]); None without a confidence estimate."""
+        return None
+
+    def _logits(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """One position's logits [n or 1, V'] after the tokens ``prev``, from its backbone logits [V']."""
+        bias = self.bias(prev)
+        return base[None] if bias is None else base[None] + bias
 
     @torch.no_grad()
     def propose(self, st: RequestState, tree: TreeSpec) -> Tree:
-        out = self.block_hidden(st)
-        depth = min(tree.depth, out.shape[0])
-        if tree.top_k == 1 and not st.params.greedy:
-            return self._sampled_chain(st, out[:depth])
-        return self._tree(st, out[:depth], tree)
+        return self.propose_batch([st], tree)[0]
 
-    def _tree(self, st: RequestState, out: torch.Tensor, tree: TreeSpec) -> Tree:
-        """The top-k tree over the block's positions (a chain at top_k 1), as deep as the drafts survive."""
+    @torch.no_grad()
+    def propose_batch(self, states: list[RequestState], tree: TreeSpec) -> list[Tree]:
+        """One head forward per request (contexts differ in length), then the backbone logits of every
+        request's block positions in one projection; greedy chains are decoded for all requests together,
+        with one read-back."""
+        outs = [self.block_hidden(st) for st in states]
+        depth = min(tree.depth, outs[0].shape[0])
+        out = torch.stack([o[:depth] for o in outs])  # [B, depth, H]
+        base = vocab_logits(out, self.weight).float()  # [B, depth, V']
+        if tree.top_k == 1 and all(st.params.greedy for st in states):
+            return self._greedy_chains(states, out, base)
+        trees = []
+        for st, o, b in zip(states, out, base):
+            if tree.top_k == 1 and not st.params.greedy:
+                trees.append(self._sampled_chain(st, o, b))
+            else:
+                trees.append(self._tree(st, o, b, tree))
+        return trees
+
+    def _greedy_chains(self, states: list[RequestState], out: torch.Tensor, base: torch.Tensor) -> list[Tree]:
+        """Each request's best token per position, left to right (each position biased by the draft before
+        it), up to where the running survival estimate falls below ``min_survival``."""
+        prev = torch.tensor([st.root for st in states], device=out.device)
+        alive = torch.ones(len(states), device=out.device)
+        drafts, kept = [], []
+        for d in range(out.shape[1]):
+            surv = self.survival(out[:, d], prev)
+            if surv is not None:
+                alive = alive * surv
+            kept.append(alive >= self.min_survival)
+            logits = base[:, d] if (bias := self.bias(prev)) is None else base[:, d] + bias
+            prev = self.head.to_target_ids(logits.argmax(-1))
+            drafts.append(prev)
+        tokens = torch.stack(drafts, 1).tolist()
+        lengths = torch.stack(kept, 1).cumprod(1).sum(1).tolist()  # a chain stops at its first cut
+        return [Tree([st.root, *t[:n]], chain_parents(n)) for st, t, n in zip(states, tokens, lengths)]
+
+    def _tree(self, st: RequestState, out: torch.Tensor, base: torch.Tensor, tree: TreeSpec) -> Tree:
+        """The top-k tree over the block's positions (out [depth, H], their backbone logits base
+        [depth, V']), as deep as the drafts survive."""
         k = tree.top_k
         pool: list[Node] = []
         frontier: list[int] = []  # pool indices of the nodes expanded at this depth (the root: none)
@@ -133,30 +182,35 @@ class DFlashProposer(FollowingProposer):
                 prev = self.head.to_target_ids(torch.tensor([pool[i].token for i in frontier], device=out.device))
             else:
                 prev = torch.tensor([st.root], device=out.device)
-            survival *= self.survival_cut(out[d], prev[:1])  # along the best path
+            surv = self.survival(out[d][None], prev[:1])  # along the best path
+            survival *= 1.0 if surv is None else float(surv[0])
             if survival < self.min_survival:
                 break
-            logp = torch.log_softmax(self.logits(out[d], prev), -1)
+            logp = torch.log_softmax(self._logits(base[d], prev), -1)
             top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
             values, indices = top.values.tolist(), top.indices.tolist()
             cands = []
             for row, parent in enumerate(frontier or [-1]):
                 r = row if len(values) > 1 else 0  # DFlash: one distribution for every parent
                 vs, ts = values[r], indices[r]
-                base = pool[parent].score if parent >= 0 else 0.0
+                score = pool[parent].score if parent >= 0 else 0.0
                 for v, t in zip(vs, ts):
-                    pool.append(Node(t, parent, d + 1, base + v))
+                    pool.append(Node(t, parent, d + 1, score + v))
                     cands.append(len(pool) - 1)
             frontier = sorted(cands, key=lambda j: -pool[j].score)[:k]
         if not pool:
             return Tree([st.root], [-1])
         return select_tree(st.root, pool, tree.total_tokens, lambda ids: self.head.to_target_ids(ids.to(out.device)))
 
-    def _sampled_chain(self, st: RequestState, out: torch.Tensor) -> Tree:
+    def _sampled_chain(self, st: RequestState, out: torch.Tensor, base: torch.Tensor) -> Tree:
         """A chain drawn left to right from the head's distributions under the request's sampling
         parameters, each draft's q kept so verification runs the rejection walk."""
-        step = lambda d, prev: self.logits(out[d], torch.tensor([prev], device=out.device))[0]  # noqa: E731
-        cut = lambda d, prev: self.survival_cut(out[d], torch.tensor([prev], device=out.device))  # noqa: E731
+        prev_ids = lambda prev: torch.tensor([prev], device=out.device)  # noqa: E731
+        step = lambda d, prev: self._logits(base[d], prev_ids(prev))[0]  # noqa: E731
+
+        def cut(d, prev):
+            surv = self.survival(out[d][None], prev_ids(prev))
+            return 1.0 if surv is None else float(surv[0])
         return sample_chain(st.root, out.shape[0], step, st.params, st.generator, self._scatter, cut,
                             self.min_survival)
 

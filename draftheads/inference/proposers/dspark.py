@@ -1,6 +1,6 @@
-"""DSpark proposer: the DFlash block forward, then left-to-right decoding of the block with the Markov
-bias of each drafted token on the next position's logits, cut where the confidence head's running
-survival probability falls below ``min_survival``.
+"""DSpark proposer: the DFlash block forward and its backbone logits, then left-to-right decoding of
+the block with the Markov bias of each drafted token added to the next position's logits, cut where
+the confidence head's running survival probability falls below ``min_survival``.
 
 Greedy and tree drafts expand each node with the bias of its own token (the tree's nodes at one depth
 differ in their parents' tokens, so their children's distributions differ); sampled chains draw each
@@ -25,15 +25,13 @@ class DSparkProposer(DFlashProposer):
     def __init__(self, head, target, min_survival: float = DEFAULT_MIN_SURVIVAL):
         super().__init__(head, target, min_survival=min_survival if head.config.confidence_head else 0.0)
         head.use_target_mask(self.embed.weight)
-        self._weight = None
 
-    def logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        if self._weight is None:  # the projection with the Markov columns, built once
-            self._weight = self.head.markov_projection(self.lm_head).to(hidden.dtype)
-        x = self.head.markov_inputs(hidden.expand(prev.shape[0], -1), prev)
-        return vocab_logits(x, self._weight).float()
+    def bias(self, prev: torch.Tensor) -> torch.Tensor | None:
+        """The Markov head's logits ``markov_w2(markov_w1[prev])`` [n, V'] (None at rank 0)."""
+        e = self.head.markov_embed(prev)
+        return None if e is None else vocab_logits(e, self.head.markov_head.markov_w2.weight.to(e.dtype)).float()
 
-    def survival_cut(self, hidden: torch.Tensor, prev: torch.Tensor) -> float:
+    def survival(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
         if not self.head.config.confidence_head:
-            return 1.0
-        return float(torch.sigmoid(self.head.confidence_logit(hidden[None], prev))[0])
+            return None
+        return torch.sigmoid(self.head.confidence_logit(hidden, prev))
