@@ -20,8 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parent.parent
 RUN = Path("runs/demo")
 STAGES = ("distill", "train", "export", "eval")
@@ -42,22 +40,18 @@ def run(stage: str, cmd: list[str]) -> float:
 
 def train_config(args) -> Path:
     """configs/smollm2-eagle3-demo.yaml with every path moved under runs/demo/ and a shorter schedule."""
-    cfg = yaml.safe_load((ROOT / "configs/smollm2-eagle3-demo.yaml").read_text())
-    out = RUN / "train"
-    cfg["trainer"].update({"default_root_dir": str(out), "max_epochs": args.epochs, "max_time": "00:00:06:00"})
+    from draftheads.training.cli import config_under, save_config
+
+    base = "configs/smollm2-eagle3-demo.yaml"
+    cfg = config_under(ROOT / base, RUN, RUN / "features", trainer={"max_epochs": args.epochs, "max_time": "00:00:06:00"},
+                       model={"warmup_ratio": 0.05})
     for logger in cfg["trainer"]["logger"]:
-        logger["init_args"]["save_dir"] = str(out)
-        if "name" in logger["init_args"] and logger["class_path"].endswith("WandbLogger"):
+        if logger["class_path"].endswith("WandbLogger"):
             logger["init_args"]["name"] = "smollm2-eagle3-make-demo"
     for cb in cfg["trainer"]["callbacks"]:
         if cb["class_path"].endswith("ModelCheckpoint"):
-            cb["init_args"].update({"dirpath": str(out / "checkpoints"), "every_n_train_steps": 10})
-    cfg["model"]["init_args"].update({"head_dir": str(RUN / "head"), "warmup_ratio": 0.05})
-    cfg["data"]["feature_dir"] = str(RUN / "features")
-    path = ROOT / RUN / "train.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("# written by scripts/demo.py from configs/smollm2-eagle3-demo.yaml\n" + yaml.safe_dump(cfg, sort_keys=False))
-    return path.relative_to(ROOT)
+            cb["init_args"]["every_n_train_steps"] = 10
+    return save_config(cfg, RUN / "train.yaml", f"{base} by scripts/demo.py")
 
 
 SHIPPED = ROOT / "draftheads/data/heads/smollm2-135m-eagle3"

@@ -23,8 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 STAGES = ("synthesize", "distill", "train", "export", "eval", "bench", "scaling", "package", "blocks")
@@ -118,24 +116,11 @@ def native_dtype() -> str:
 def train_config(run: Path, name: str, epochs: int | None, fraction: float = 1.0,
                  base: str = "configs/smollm2-eagle3-reference.yaml") -> Path:
     """``base`` (a reference config) with its paths under ``run/name``."""
-    cfg = yaml.safe_load((ROOT / base).read_text())
-    out = run / name
-    cfg["trainer"]["default_root_dir"] = str(out / "train")
-    if epochs:
-        cfg["trainer"]["max_epochs"] = epochs
-    for logger in cfg["trainer"]["logger"]:
-        logger["init_args"]["save_dir"] = str(out / "train")
-    for cb in cfg["trainer"]["callbacks"]:
-        if cb["class_path"].endswith("ModelCheckpoint"):
-            cb["init_args"]["dirpath"] = str(out / "train/checkpoints")
-    cfg["model"]["init_args"]["head_dir"] = str(out / "head")
-    cfg["data"]["feature_dir"] = str(run / "features")
-    if fraction < 1:
-        cfg["data"]["train_fraction"] = fraction
-    path = out / "train.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"# written by scripts/reference_head.py from {base}\n" + yaml.safe_dump(cfg, sort_keys=False))
-    return path
+    from draftheads.training.cli import config_under, save_config
+
+    cfg = config_under(ROOT / base, run / name, run / "features", trainer={"max_epochs": epochs} if epochs else None,
+                       data={"train_fraction": fraction} if fraction < 1 else None)
+    return save_config(cfg, run / name / "train.yaml", f"{base} by scripts/reference_head.py")
 
 
 def fit(run: Run, stage: str, config: Path) -> None:

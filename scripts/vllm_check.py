@@ -89,7 +89,7 @@ def default_head(kind: str, out: Path) -> Path:
 
 
 def quick_head(kind: str, root: Path) -> Path:
-    import yaml
+    from draftheads.training.cli import config_under, save_config
 
     head = root / kind / "head"
     if head.is_dir():
@@ -101,16 +101,11 @@ def quick_head(kind: str, root: Path) -> Path:
         _run([str(bin_dir / "draftheads"), "distill", "--prompts", "bundled:train", "--limit-per-domain", "2",
               "--max-new-tokens", "96", "--features", "eagle3", "--feature-dir", str(features), "--max-seq-len", "512",
               "--val-fraction", "0.2", "--out", str(data)])
-    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / f"configs/smollm2-{kind}-demo.yaml").read_text())
-    run = root / kind
-    cfg["trainer"].update({"max_time": f"00:00:{QUICK_MINUTES:02d}:00", "default_root_dir": str(run), "logger": False,
-                           "callbacks": []})
-    cfg["trainer"]["enable_checkpointing"] = False
-    cfg["model"]["init_args"]["head_dir"] = str(head)
-    cfg["data"]["feature_dir"] = str(features)
-    path = run / "train.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    base = f"configs/smollm2-{kind}-demo.yaml"
+    cfg = config_under(Path(__file__).resolve().parents[1] / base, root / kind, features,
+                       trainer={"max_time": f"00:00:{QUICK_MINUTES:02d}:00", "logger": False, "callbacks": [],
+                                "enable_checkpointing": False})
+    path = save_config(cfg, root / kind / "train.yaml", f"{base} by scripts/vllm_check.py")
     say(f"training a quick {kind} head ({QUICK_MINUTES} min): train-head fit --config {path}")
     _run([str(bin_dir / "train-head"), "fit", "--config", str(path)])
     return head

@@ -66,24 +66,6 @@ def greedy_verify(tokens: torch.Tensor, parents: torch.Tensor, argmax: torch.Ten
     return out[:, :width], count
 
 
-def greedy_verify_ref(tokens, parents, argmax, sizes):
-    rows, width = tokens.shape
-    out = torch.full((rows, width), -1, dtype=torch.int32)
-    count = torch.zeros(rows, dtype=torch.int32)
-    for r in range(rows):
-        n = int(sizes[r])
-        cur, k = 0, 0
-        while True:
-            kids = [c for c in range(1, n) if int(parents[r, c]) == cur and int(tokens[r, c]) == int(argmax[r, cur])]
-            if not kids:
-                break
-            out[r, k] = kids[0]
-            k += 1
-            cur = kids[0]
-        count[r] = k
-    return out, count
-
-
 @triton.jit
 def _sampled_verify_kernel(TOKENS, PARENTS, PROBS, STARTS, SIZES, UNIF, OUT, COUNT, BONUS, stride_row, stride_p, V,
                            MAX_NODES: tl.constexpr, BLOCK_V: tl.constexpr):

@@ -92,3 +92,41 @@ def check_ckpt_path(path) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+
+def config_under(base, out, feature_dir, trainer: dict | None = None, model: dict | None = None,
+                 data: dict | None = None) -> dict:
+    """The ``train-head`` config ``base`` (a YAML path) with everything it writes under ``out`` (the
+    trainer's root and loggers at ``out/train``, checkpoints at ``out/train/checkpoints``, the head at
+    ``out/head``), reading ``feature_dir``; ``trainer``, ``model`` (its ``init_args``) and ``data``
+    override keys of those sections."""
+    from pathlib import Path
+
+    import yaml
+
+    out = Path(out)
+    cfg = yaml.safe_load(Path(base).read_text())
+    tr = cfg["trainer"]
+    tr["default_root_dir"] = str(out / "train")
+    for logger in tr.get("logger") or []:
+        logger["init_args"]["save_dir"] = str(out / "train")
+    for cb in tr.get("callbacks") or []:
+        if cb["class_path"].endswith("ModelCheckpoint"):
+            cb["init_args"]["dirpath"] = str(out / "train/checkpoints")
+    tr.update(trainer or {})
+    cfg["model"]["init_args"].update({"head_dir": str(out / "head"), **(model or {})})
+    cfg["data"].update({"feature_dir": str(feature_dir), **(data or {})})
+    return cfg
+
+
+def save_config(cfg: dict, path, source: str):
+    """Write ``cfg`` as YAML to ``path`` with a first line naming ``source``; returns the path."""
+    from pathlib import Path
+
+    import yaml
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"# written from {source}\n" + yaml.safe_dump(cfg, sort_keys=False))
+    return path

@@ -8,7 +8,6 @@ from draftheads.kernels.verify import (
     commit_kv_layers,
     commit_kv_layers_ref,
     greedy_verify,
-    greedy_verify_ref,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,11 +38,10 @@ def test_greedy_verify_kernel_matches_verify_py():
     argmax = torch.tensor([pad(a, -1) for a in argmaxes], dtype=torch.int32)
     sizes = torch.tensor([len(t) for t in trees], dtype=torch.int32)
     out, count = greedy_verify(tokens.to(DEVICE), parents.to(DEVICE), argmax.to(DEVICE), sizes.to(DEVICE))
-    ref_out, ref_count = greedy_verify_ref(tokens, parents, argmax, sizes)
-    assert torch.equal(count.cpu(), ref_count) and torch.equal(out.cpu(), ref_out)
     for r, (t, a) in enumerate(zip(trees, argmaxes)):
         want = verify_greedy(t, a).accepted
-        assert out[r, : count[r]].tolist() == want, (r, want)
+        assert int(count[r]) == len(want) and out[r, : count[r]].tolist() == want, (r, want)
+        assert (out[r, count[r]:] == -1).all()  # -1 past the walk
     assert count.max() > 1  # the case exercises multi-level walks
 
 

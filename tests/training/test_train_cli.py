@@ -135,3 +135,16 @@ def test_every_config_parses_and_names_its_command(path, capsys, monkeypatch):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["model"]["class_path"].startswith("draftheads.training.")
     assert printed["model"]["init_args"]["head_dir"].startswith("runs/")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_config_under_moves_every_output_path(path, tmp_path):
+    """What the scripts train writes (trainer root, loggers, checkpoints, head) lands under the run
+    directory given, and the features are read from the one given: no output path of the shipped config
+    is left."""
+    from draftheads.training.cli import config_under
+
+    cfg = config_under(path, tmp_path / "run", tmp_path / "features", trainer={"max_epochs": 1})
+    assert "runs/" not in yaml.safe_dump({k: cfg[k] for k in ("trainer", "model")})
+    assert cfg["model"]["init_args"]["head_dir"] == str(tmp_path / "run/head")
+    assert cfg["data"]["feature_dir"] == str(tmp_path / "features") and cfg["trainer"]["max_epochs"] == 1
