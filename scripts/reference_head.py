@@ -113,12 +113,13 @@ def native_dtype() -> str:
     return "bfloat16" if native else "float32"
 
 
-def train_config(run: Path, name: str, epochs: int | None, fraction: float = 1.0,
+def train_config(run: Path, name: str, args, fraction: float = 1.0,
                  base: str = "configs/smollm2-eagle3-reference.yaml") -> Path:
-    """``base`` (a reference config) with its paths under ``run/name``."""
+    """``base`` (a reference config) with its paths under ``run/name``, ``--epochs`` and ``--precision``."""
     from draftheads.training.cli import config_under, save_config
 
-    cfg = config_under(ROOT / base, run / name, run / "features", trainer={"max_epochs": epochs} if epochs else None,
+    trainer = {"precision": args.precision, **({"max_epochs": args.epochs} if args.epochs else {})}
+    cfg = config_under(ROOT / base, run / name, run / "features", trainer=trainer,
                        data={"train_fraction": fraction} if fraction < 1 else None)
     return save_config(cfg, run / name / "train.yaml", f"{base} by scripts/reference_head.py")
 
@@ -154,6 +155,9 @@ def main() -> int:
                    help="synthesize and distill dtype; auto: bfloat16 where the CPU or GPU computes it natively "
                         "(2-3x faster than float32 on a CPU with AVX512-BF16), else float32")
     p.add_argument("--epochs", type=int, default=None, help="override the config's max_epochs")
+    p.add_argument("--precision", default="auto",
+                   help="training precision (Lightning's); auto: bf16-mixed where bf16 is native (1.6-2x faster "
+                        "EAGLE-3 steps than 32 on a CPU with AVX512-BF16), else 32")
     p.add_argument("--eval-per-domain", type=int, default=12)
     p.add_argument("--eval-tokens", type=int, default=128)
     p.add_argument("--trees", default="chain3,small,medium", help="eval modes")
@@ -168,6 +172,8 @@ def main() -> int:
         sys.exit(f"reference-head: --redo {sorted(redo - set(STAGES))} unknown: use all or some of {','.join(STAGES)}")
     if args.dtype == "auto":
         args.dtype = native_dtype()
+    if args.precision == "auto":
+        args.precision = "bf16-mixed" if native_dtype() == "bfloat16" else "32"
     root = ROOT / args.run
     run = Run(root)
     dh = str(BIN / "draftheads")
@@ -191,7 +197,7 @@ def main() -> int:
         run.times["plain_tok_s"] = round(plain_decode_rate(), 2)
         run.times_file.write_text(json.dumps(run.times, indent=2))
     run.say(f"machine: plain decode {run.times['plain_tok_s']:.1f} tok/s at batch 1 (fp32, engine)")
-    run.say(f"synthesize and distill in {args.dtype}")
+    run.say(f"synthesize and distill in {args.dtype}; train in precision {args.precision}")
 
     run.stage("synthesize", synth, lambda: run.cmd("synthesize", [
         dh, "synthesize", "--num-prompts", str(args.synth_prompts), "--batch-size", str(args.batch_size),
@@ -201,7 +207,7 @@ def main() -> int:
         dh, "distill", "--prompts", "bundled:train", str(synth), "--max-new-tokens", str(args.max_new_tokens),
         "--batch-size", str(args.batch_size), "--dtype", args.dtype, "--max-seq-len", "1024", "--features", "eagle3",
         "--feature-dir", str(features), "--val-fraction", "0.03", "--out", str(data)]))
-    run.stage("train", head, lambda: fit(run, "train", train_config(root, "main", args.epochs)))
+    run.stage("train", head, lambda: fit(run, "train", train_config(root, "main", args)))
     run.stage("export", export, lambda: run.cmd("export", [
         dh, "export", "--head", str(head), "--format", "vllm-eagle3", "--out", str(export), "--verifier",
         "smollm2-135m"]))
@@ -229,7 +235,7 @@ def _blocks(run: Run, root: Path, head: Path, args) -> None:
     for fam in BLOCK_FAMILIES:
         heads[fam] = root / fam / "head"
         if not heads[fam].exists():
-            fit(run, f"blocks {fam}", train_config(root, fam, args.epochs, base=f"configs/smollm2-{fam}-reference.yaml"))
+            fit(run, f"blocks {fam}", train_config(root, fam, args, base=f"configs/smollm2-{fam}-reference.yaml"))
     for fam, h in heads.items():
         ev = root / "blocks" / f"eval-{fam}"
         if not (ev / "results.json").exists():
@@ -261,7 +267,7 @@ def _scaling(run: Run, root: Path, fractions: list[float], head: Path, features:
         name = "main" if f == 1.0 else f"scaling/f{f:g}"
         h = head if f == 1.0 else root / name / "head"
         if not h.exists():
-            fit(run, f"scaling {f:g}", train_config(root, name, args.epochs, f))
+            fit(run, f"scaling {f:g}", train_config(root, name, args, f))
         ev = root / name / "eval-chain3"
         if not (ev / "results.json").exists():
             run.cmd(f"scaling eval {f:g}", [
