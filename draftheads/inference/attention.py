@@ -83,7 +83,8 @@ class StepCache:
 
 def torch_paged_tree_attention(query, step: PagedStep, layer: int, scaling: float) -> torch.Tensor:
     """Reference: query [1, H, total_q, D] -> [total_q, H, D]. A row whose K/V lie in a reserved
-    contiguous region is read as a view; other rows are gathered through their slots."""
+    contiguous region is read as a view; other rows are gathered through their slots. The product runs
+    in the cache's dtype (float32 K/V on a CPU: see ``EngineConfig.kv_dtype``), the output in the query's."""
     out = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
     for b in range(step.rows):
         s, e = step.query_start[b], step.query_start[b + 1]
@@ -92,9 +93,7 @@ def torch_paged_tree_attention(query, step: PagedStep, layer: int, scaling: floa
         rng = step.row_ranges[b] if step.row_ranges else None
         kv = step.cache.kv_range(layer, *rng) if rng else step.cache.gather_kv(layer, step.row_slots[b])
         kv = kv.transpose(1, 2)  # [2, kv_heads, S, D]
-        if kv.dtype != query.dtype:
-            kv = kv.to(query.dtype)
-        q = query[:, :, s:e]  # [1, H, q, D]; 4D inputs keep SDPA on its fast CPU kernels
+        q = query[:, :, s:e].to(kv.dtype)  # [1, H, q, D]; 4D inputs keep SDPA on its fast CPU kernels
         o = F.scaled_dot_product_attention(
             q, kv[0:1], kv[1:2], attn_mask=step.additive_mask(b, q.dtype), scale=scaling, enable_gqa=True
         )

@@ -107,8 +107,7 @@ class ContinuousBatcher:
         """Yield each conversation as it finishes (completion order, not input order)."""
         eng, bs = self.engine, self.batch_size
         blocks_per_row = -(-self.max_seq_len // eng.config.block_size) + 1
-        cache = PagedKVCache(eng.num_layers, bs * blocks_per_row, eng.kv_heads, eng.head_dim,
-                             eng.config.block_size, eng.dtype, eng.device, use_triton=eng.use_triton)
+        cache = eng.new_cache(bs * blocks_per_row)
         queue = iter(conversations)
         free_regions = [range(i * blocks_per_row, (i + 1) * blocks_per_row) for i in range(bs)]
         rows: list[_Row] = []

@@ -60,6 +60,10 @@ class EngineConfig:
     projects fewer nodes."""
     lazy_lm_head: bool = True
     """Project the final hidden states through the lm_head only at the nodes verification reads."""
+    kv_dtype: str | None = None
+    """Dtype of the paged K/V: None = the model's, except on the torch path on a CPU, where a bf16 or
+    fp16 model keeps float32 K/V (CPU SDPA reads float32 K/V about 3.7x faster: 6.3 against 23.4 ms
+    per layer for 64 rows of 200-1000 keys, 2 threads)."""
 
     def __post_init__(self):
         if self.verifier not in VERIFIERS:
@@ -128,7 +132,24 @@ class Engine:
         on_device = self.config.verify_on_device
         on_device = (self.device.type != "cpu" or use) if on_device is None else on_device
         self.verifier = VERIFIERS[self.config.verifier].from_config(self.config, on_device=on_device, kernel=use)
+        self.kv_dtype = self._kv_dtype()
         self.steps = 0  # engine steps over all generate calls (the per-request switch counts in them)
+
+    def _kv_dtype(self) -> torch.dtype:
+        if self.config.kv_dtype is not None:
+            dtype = getattr(torch, self.config.kv_dtype, None)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise DraftheadsError(f"kv_dtype {self.config.kv_dtype!r} is not a float dtype: use float32, "
+                                      "bfloat16 or float16")
+            return dtype
+        if self.device.type == "cpu" and not self.use_triton and self.dtype in (torch.bfloat16, torch.float16):
+            return torch.float32
+        return self.dtype
+
+    def new_cache(self, blocks: int) -> PagedKVCache:
+        """An empty paged K/V cache of ``blocks`` blocks shaped for this engine's target."""
+        return PagedKVCache(self.num_layers, blocks, self.kv_heads, self.head_dim, self.config.block_size,
+                            self.kv_dtype, self.device, use_triton=self.use_triton)
 
     def request_state(self, rid: int, prompt: list[int], params: SamplingParams) -> RequestState:
         """A new request's state; its random stream lives on the target's device."""
@@ -180,8 +201,7 @@ class Engine:
         if blocks is None:
             per_row = [len(p) + sp.max_new_tokens + self.config.max_tree_tokens for p, sp in zip(prompts, params)]
             blocks = sum(-(-n // self.config.block_size) + 1 for n in per_row)
-        return PagedKVCache(self.num_layers, blocks, self.kv_heads, self.head_dim, self.config.block_size,
-                            self.dtype, self.device, use_triton=self.use_triton)
+        return self.new_cache(blocks)
 
     def _emit(self, st: RequestState, tokens: list[int]) -> None:
         budget = st.params.max_new_tokens - len(st.generated)

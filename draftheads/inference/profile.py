@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from draftheads.inference.engine import Engine
-from draftheads.inference.kv_cache import PagedKVCache
 from draftheads.inference.proposers.base import RequestState
 from draftheads.inference.sampling import SamplingParams
 from draftheads.inference.tree import Tree, chain_parents
@@ -29,8 +28,7 @@ def verify_curve(model, ks=DEFAULT_KS, prefix: int = 256, repeats: int = 5, batc
     blocks = batch * (-(-(prefix + max(ks)) // engine.config.block_size) + 1)
     out = {}
     for k in ks:
-        cache = PagedKVCache(engine.num_layers, blocks, engine.kv_heads, engine.head_dim,
-                             engine.config.block_size, engine.dtype, engine.device)
+        cache = engine.new_cache(blocks)
         states, pre_trees = [], []
         for r in range(batch):
             toks = torch.randint(vocab, (prefix + 1,), generator=gen).tolist()

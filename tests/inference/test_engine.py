@@ -174,3 +174,32 @@ def test_sampling_on_cuda_is_seeded_and_runs(model):
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
     finally:
         model.to("cpu")
+
+
+def test_a_bf16_target_on_the_cpu_keeps_float32_kv(model):
+    """The CPU torch path stores K/V in float32 for a bf16 target (its SDPA is several times faster on
+    float32 K/V); attention then runs in float32 and returns the query's dtype, and the logits stay within
+    the bf16 target's own error of the float32 ones. ``kv_dtype`` overrides the choice."""
+    import copy
+
+    from draftheads.inference.engine import EngineConfig
+    from draftheads.inference.tree import Tree
+
+    m16 = copy.deepcopy(model).to(torch.bfloat16)
+    assert Engine(m16).kv_dtype == torch.float32 and Engine(model).kv_dtype == torch.float32
+    assert Engine(m16, config=EngineConfig(kv_dtype="bfloat16")).kv_dtype == torch.bfloat16
+    with pytest.raises(DraftheadsError, match="kv_dtype 'int8' is not a float dtype"):
+        Engine(m16, config=EngineConfig(kv_dtype="int8"))
+    prompt = PROMPTS[0] * 3
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0].float()  # float32 everywhere
+        own = (m16(torch.tensor([prompt])).logits[0].float() - want).abs().max().item()  # HF's bf16 forward
+    errs = {}
+    for kv in (None, "bfloat16"):
+        engine = Engine(m16, config=EngineConfig(kv_dtype=kv))
+        cache = engine.new_cache(8)
+        st = engine.request_state(0, prompt, SamplingParams())
+        cache.add(0)
+        logits, _ = engine.forward(cache, [st], [Tree(prompt, [-1] + list(range(len(prompt) - 1)))], ())
+        errs[kv] = (logits.all().float() - want).abs().max().item()
+    assert 0 < errs[None] <= 2 * own and errs["bfloat16"] <= 2 * own, (errs, own)
