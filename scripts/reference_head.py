@@ -229,7 +229,7 @@ def main() -> int:
 def _blocks(run: Run, root: Path, head: Path, args) -> None:
     """DFlash and DSpark trained on the same feature cache as the EAGLE-3 head (configs/smollm2-<family>-
     reference.yaml), each evaluated like it at chain 3 and chain 7 (the block drafters' served K) and with
-    the small tree, then all three benched side by side in one run."""
+    the small tree, then all three benched side by side in one run (batch 1, and the sweep over 1, 4, 16)."""
     dh = str(BIN / "draftheads")
     heads = {"eagle3": head}
     for fam in BLOCK_FAMILIES:
@@ -244,8 +244,8 @@ def _blocks(run: Run, root: Path, head: Path, args) -> None:
                 str(args.eval_per_domain), "--max-new-tokens", str(args.eval_tokens), "--tree", "chain3,chain7,small",
                 "--out", str(ev)])
     run.cmd("blocks bench", [dh, "bench", *[a for fam, h in heads.items() for a in (f"--{fam}", str(h))],
-                             "--only", "proposers", "--max-new-tokens", str(args.eval_tokens),
-                             "--out", str(root / "blocks" / "bench")])
+                             "--only", "proposers,batch", "--max-new-tokens", str(args.eval_tokens),
+                             "--batches", "1,4,16", "--batch-repeats", "8", "--out", str(root / "blocks" / "bench")])
     table = {fam: json.loads((root / "blocks" / f"eval-{fam}" / "results.json").read_text())["modes"]
              for fam in heads}
     (root / "blocks" / "results.json").write_text(json.dumps(
