@@ -355,7 +355,8 @@ def eval_(out: str, target: TargetOptions, sampling: SamplingOptions, command_li
 
 def bench(out: str, target: TargetOptions, command_line: CommandLine,
           heads: Annotated[dict[str, str] | None, Flag(choices="draftheads.heads:FAMILIES")] = None,
-          tree: str = "auto", prompts: str = "bundled:eval", limit_per_domain: Positive = 1,
+          tree: Annotated[tuple[str, ...], Flag(sep=",")] = ("auto",), prompts: str = "bundled:eval",
+          limit_per_domain: Positive = 1,
           max_new_tokens: Positive = 128, batch_tokens: Positive = 32,
           batches: Annotated[tuple[int, ...], Flag(sep=",", low=1)] = (1, 2, 4, 8, 16), batch_repeats: Positive = 3,
           repeats: Positive = 5, datagen_batch: Positive = 64, lm_head_check: bool = False,
@@ -363,12 +364,12 @@ def bench(out: str, target: TargetOptions, command_line: CommandLine,
           ) -> int:
     """Verify curve, proposer speeds, batch sweep and loss memory, side by side.
 
-    Each head given is timed in the --tree mode and as a chain of 3 (vLLM's serving mode).
+    Each head given is timed in every --tree mode and as a chain of 3 (vLLM's serving mode).
 
     Args:
         out: results directory (results.json, results.md, plots)
         heads: a head directory of this family
-        tree: mode of each head beside chain3: auto or a tree
+        tree: modes of each head beside chain3: auto and/or trees, e.g. auto,small
         prompts: prompt file or bundled:eval
         limit_per_domain: prompts per domain
         max_new_tokens: tokens per answer in the proposers part
@@ -389,7 +390,7 @@ def bench(out: str, target: TargetOptions, command_line: CommandLine,
     from draftheads.utils import atomic_write_json, atomic_write_text, check_writable_dir
 
     parts = list(only or speed.PARTS)
-    (tree,) = check_modes((tree,))
+    modes = check_modes(tree)
     drafts = {name: check_drafter(d) for name, d in (heads or {}).items()}
     check_writable_dir(out)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -404,15 +405,14 @@ def bench(out: str, target: TargetOptions, command_line: CommandLine,
         from draftheads.inference.engine import EngineConfig
 
         ngram = make_proposer(model, proposer="ngram")
-        proposers = {f"ngram ({tree})": (ngram, tree if tree == "auto" else "chain4", None)}
+        proposers = {f"ngram ({m})": (ngram, m, None) for m in (["auto"] if "auto" in modes else ["chain4"])}
         lm_head = {}  # what projecting only the walked nodes saves, on a fixed tree (proposers part)
-        for name, head in drafts.items():  # each head in the tree mode asked for and in vLLM's serving mode, chain 3
+        for name, head in drafts.items():  # each head in the modes asked for and in vLLM's serving mode, chain 3
             proposer = make_proposer(model, head=head)
-            proposers[f"{name} ({tree})"] = (proposer, tree, None)
-            if tree != "chain3":
-                proposers[f"{name} (chain3)"] = (proposer, "chain3", None)
+            for m in (*modes, *(() if "chain3" in modes else ("chain3",))):
+                proposers[f"{name} ({m})"] = (proposer, m, None)
             if lm_head_check and not lm_head:
-                fixed = tree if tree != "auto" else "medium"
+                fixed = next((m for m in modes if m != "auto"), "medium")
                 lm_head = {f"{name} ({fixed}, lazy lm_head)": (proposer, fixed, None),
                            f"{name} ({fixed}, full lm_head)": (proposer, fixed, EngineConfig(lazy_lm_head=False))}
     if "verify" in parts:

@@ -216,8 +216,9 @@ def main() -> int:
         "--max-new-tokens", str(args.eval_tokens), "--tree", args.trees, "--out", str(evald)]))
     best = _best_tree(evald)
     run.stage("bench", bench / "results.json", lambda: run.cmd("bench", [
-        dh, "bench", "--eagle3", str(head), "--tree", best, "--only", "proposers", "--max-new-tokens",
-        str(args.eval_tokens), "--out", str(bench)]))
+        dh, "bench", "--eagle3", str(head), "--tree", ",".join(dict.fromkeys(["auto", best])), "--only",
+        "proposers,batch", "--max-new-tokens", str(args.eval_tokens), "--batches", "1,4,16", "--batch-repeats", "8",
+        "--out", str(bench)]))
     fractions = [float(f) for f in args.scaling.split(",") if f.strip()]
     run.stage("scaling", outputs["scaling"], lambda: _scaling(run, root, fractions, head, features, args))
     run.stage("package", outputs["package"], lambda: _package(run, root, head, features, evald, bench, args))

@@ -52,6 +52,19 @@ def test_bench_parts_on_tiny_target(tiny_llama_dir, tmp_path, capsys):
     assert (out / "verify_curve.png").is_file() and (out / "batch_sweep.png").is_file()
 
 
+def test_bench_times_each_head_in_every_mode_and_chain3(tiny_llama_dir, tiny_target, tmp_path):
+    from draftheads.heads import save_head
+    from draftheads.testing import random_heads
+
+    save_head(random_heads(tiny_target.model)["eagle3"], tmp_path / "head")
+    out, prompts = tmp_path / "bench", tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "domain": "chat", "turns": ["Say hi to the fox."]}) + "\n")
+    assert main(["bench", "--target", str(tiny_llama_dir), "--eagle3", str(tmp_path / "head"), "--tree", "auto,small",
+                 "--prompts", str(prompts), "--only", "proposers", "--max-new-tokens", "4", "--out", str(out)]) == 0
+    got = json.loads((out / "results.json").read_text())["proposers"]
+    assert {"eagle3 (auto)", "eagle3 (small)", "eagle3 (chain3)"} <= set(got) and got["eagle3 (small)"]["steps"] > 0
+
+
 def test_loss_memory_measurement_sees_the_logits():
     from draftheads.bench.loss_memory import run
 
