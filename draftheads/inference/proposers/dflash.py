@@ -123,6 +123,11 @@ class DFlashProposer(FollowingProposer):
         were, given the target ids of the tokens before (prev [n]); None without a confidence estimate."""
         return None
 
+    def _survival_of(self, hidden: torch.Tensor, prev: torch.Tensor) -> float:
+        """:meth:`survival` of one draft (hidden [H], prev [1]) as a number, 1 without an estimate."""
+        surv = self.survival(hidden[None], prev)
+        return 1.0 if surv is None else float(surv[0])
+
     def _logits(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """One position's logits [n or 1, V'] after the tokens ``prev``, from its backbone logits [V']."""
         bias = self.bias(prev)
@@ -182,8 +187,7 @@ class DFlashProposer(FollowingProposer):
                 prev = self.head.to_target_ids(torch.tensor([pool[i].token for i in frontier], device=out.device))
             else:
                 prev = torch.tensor([st.root], device=out.device)
-            surv = self.survival(out[d][None], prev[:1])  # along the best path
-            survival *= 1.0 if surv is None else float(surv[0])
+            survival *= self._survival_of(out[d], prev[:1])  # along the best path
             if survival < self.min_survival:
                 break
             logp = torch.log_softmax(self._logits(base[d], prev), -1)
@@ -207,10 +211,7 @@ class DFlashProposer(FollowingProposer):
         parameters, each draft's q kept so verification runs the rejection walk."""
         prev_ids = lambda prev: torch.tensor([prev], device=out.device)  # noqa: E731
         step = lambda d, prev: self._logits(base[d], prev_ids(prev))[0]  # noqa: E731
-
-        def cut(d, prev):
-            surv = self.survival(out[d][None], prev_ids(prev))
-            return 1.0 if surv is None else float(surv[0])
+        cut = lambda d, prev: self._survival_of(out[d], prev_ids(prev))  # noqa: E731
         return sample_chain(st.root, out.shape[0], step, st.params, st.generator, self._scatter, cut,
                             self.min_survival)
 
