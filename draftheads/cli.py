@@ -89,7 +89,8 @@ def generate(prompt: str, target: TargetOptions, drafter: DrafterOptions, sampli
 def distill(prompts: list[str], out: str, target: TargetOptions, sampling: SamplingOptions, engine: EngineOptions,
             domains: list[str] | None = None, limit_per_domain: PositiveOrNone = None,
             max_new_tokens: Positive = 256, max_seq_len: PositiveOrNone = None, batch_size: Positive = 32,
-            features: str | None = None, feature_dir: str | None = None, val_fraction: float = 0.05) -> int:
+            features: str | None = None, feature_dir: str | None = None, val_fraction: float = 0.05,
+            extend: bool = False) -> int:
     """The target answers prompts itself (self-distillation data), batched.
 
     Args:
@@ -103,6 +104,7 @@ def distill(prompts: list[str], out: str, target: TargetOptions, sampling: Sampl
         features: also keep hidden states of the generation pass: eagle3 | eagle | medusa | comma list of ids
         feature_dir: feature cache for train-head --data.feature_dir
         val_fraction: prompts held out as the cache's val split
+        extend: OUT exists: answer only the prompts it lacks (the others unchanged), adding to its feature cache
     """
     from draftheads.prompts import load_prompts
     from draftheads.targets import text_config
@@ -112,7 +114,7 @@ def distill(prompts: list[str], out: str, target: TargetOptions, sampling: Sampl
 
     sampling.params(max_new_tokens)
     rows = [p for f in prompts for p in load_prompts(f, domains=domains, limit_per_domain=limit_per_domain)]
-    check_distill(rows, out, batch_size, features, feature_dir, val_fraction)
+    check_distill(rows, out, batch_size, features, feature_dir, val_fraction, extend)
     check_engine(engine.engine)
     model, opts = engine.target(target)  # vllm: only the tokenizer loads here, vLLM loads the weights
     num_layers = model.info.num_layers if engine.engine != "vllm" else text_config(target.target).num_hidden_layers
@@ -120,7 +122,8 @@ def distill(prompts: list[str], out: str, target: TargetOptions, sampling: Sampl
     path = run(model, rows, out, max_new_tokens, sampling.temperature, batch_size, sampling.seed,
                top_p=sampling.top_p, top_k=sampling.top_k, max_seq_len=max_seq_len, features=layers,
                feature_dir=feature_dir, val_fraction=val_fraction,
-               progress=lambda m: print(m, file=sys.stderr, flush=True), engine=engine.engine, vllm=opts)
+               progress=lambda m: print(m, file=sys.stderr, flush=True), engine=engine.engine, vllm=opts,
+               extend=extend)
     print(path)
     return 0
 
@@ -131,7 +134,7 @@ def synthesize(out: str, target: TargetOptions, engine: EngineOptions,
                domains: Annotated[tuple[str, ...] | None, Flag(choices="draftheads.training.synthesize:SYNTH_DOMAINS")]
                = None,
                multi_turn: float = 0.15, max_prompt_tokens: Positive = 160, batch_size: Positive = 64,
-               dedup_threshold: float = 0.7, round_size: Positive = 192) -> int:
+               dedup_threshold: float = 0.7, round_size: Positive = 192, extend: bool = False) -> int:
     """Prompts written by the target itself (Magpie), deduplicated, per domain.
 
     Args:
@@ -143,6 +146,7 @@ def synthesize(out: str, target: TargetOptions, engine: EngineOptions,
         batch_size: rows generated together
         dedup_threshold: MinHash Jaccard above which prompts are near duplicates
         round_size: candidates per round (the unit of resume)
+        extend: OUT exists: grow it to --num-prompts (its other settings unchanged)
     """
     from draftheads.training.synthesize import SYNTH_DOMAINS, SynthConfig
     from draftheads.training.synthesize import synthesize as run
@@ -154,7 +158,7 @@ def synthesize(out: str, target: TargetOptions, engine: EngineOptions,
     check_writable_file(out)
     model, opts = engine.target(target)
     path = run(model, out, cfg, progress=lambda m: print(m, file=sys.stderr, flush=True), engine=engine.engine,
-               vllm=opts)
+               vllm=opts, extend=extend)
     stats = json.loads(path.with_name(path.name + ".stats.json").read_text())
     print("| domain | kept | candidates | near-dup rate | distinct-1 | distinct-2 | distinct-3 | multi-turn |")
     print("|---|---|---|---|---|---|---|---|")

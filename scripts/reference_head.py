@@ -4,13 +4,15 @@
 
 Everything goes under runs/reference/ and the log to runs/reference/log.txt. Each stage runs the project's
 own command (printed and logged); a rerun skips finished stages and resumes the unfinished one (synthesize
-and distill after their last committed round or shard, training from its last checkpoint). The machine's
+and distill after their last committed round or shard, training from its last checkpoint). A larger
+--synth-prompts than the finished data holds extends synthesize and distill (only the new prompts are
+written and answered) and redoes training and everything after it. The machine's
 plain batch-1 decode rate is measured first and written beside every stage time (machines differ ~3x).
 
 `package` writes the head in bf16 with its CARD.md to draftheads/data/heads/smollm2-135m-eagle3/, only
 when its chain-3 tau on the bundled eval beats the committed head's (or with --force).
 
-    python scripts/reference_head.py [--synth-prompts 4000] [--redo STAGE,...|all] [--scaling 0.125,0.25,0.5]
+    python scripts/reference_head.py [--synth-prompts 4300] [--redo STAGE,...|all] [--scaling 0.125,0.25,0.5]
 """
 
 from __future__ import annotations
@@ -71,14 +73,24 @@ class Run:
                      "stages are kept and this one resumes")
             sys.exit(1)
 
-    def stage(self, name: str, done: Path, fn) -> None:
-        if done.exists():
+    def forget(self, name: str) -> None:
+        """Drop the recorded time of a stage that is made again."""
+        self.times.pop(name, None)
+        self.times.get("running", {}).pop(name, None)
+        self.times_file.write_text(json.dumps(self.times, indent=2))
+
+    def stage(self, name: str, done: Path, fn, finished: bool = True) -> None:
+        """Run ``fn`` unless ``done`` exists (and ``finished``: the output is not one to be grown)."""
+        if done.exists() and finished:
             self.say(f"=== {name}: reusing {done.relative_to(ROOT)} (--redo {name} to run it again)")
             return
-        self._stage, self._prior = name, self.times.get("running", {}).get(name, 0.0)
+        # an interrupted run's time counts, and so does the first making of an output that is now grown
+        self._stage = name
+        self._prior = self.times.get("running", {}).get(name) or (self.times.get(name, 0.0) if done.exists() else 0.0)
         self._t0 = self._last_tick = time.perf_counter()
         if self._prior:
-            self.say(f"=== {name}: resuming; {self._prior:.0f} s of earlier, interrupted runs count towards it")
+            how = "growing its output" if done.exists() else "resuming"
+            self.say(f"=== {name}: {how}; {self._prior:.0f} s of earlier runs count towards it")
         fn()
         self.times[name] = round(self._prior + time.perf_counter() - self._t0, 1)
         self.times.get("running", {}).pop(name, None)
@@ -131,6 +143,20 @@ def fit(run: Run, stage: str, config: Path) -> None:
     run.cmd(stage, cmd)
 
 
+def synthesized(synth: Path) -> int:
+    """Prompts a finished synthesize output holds."""
+    return json.loads(synth.with_name(synth.name + ".stats.json").read_text())["total"]
+
+
+def distilled_all(data: Path, synth: Path) -> bool:
+    """Whether the distilled records answer every bundled train prompt and every synthesized one."""
+    from draftheads.prompts import load_prompts
+
+    with data.open() as f:
+        answered = sum(1 for line in f if line.strip())
+    return answered == len(load_prompts("bundled:train")) + synthesized(synth)
+
+
 def feature_tokens(features: Path) -> dict:
     """Per split of a feature cache: conversations, answer (loss-masked) tokens and all tokens."""
     from draftheads.training.features import FeatureDataset
@@ -148,7 +174,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run", default="runs/reference")
     p.add_argument("--redo", default="", help="comma list of stages to run again, or all")
-    p.add_argument("--synth-prompts", type=int, default=4000, help="prompts the target writes (plus the bundled 228)")
+    p.add_argument("--synth-prompts", type=int, default=4300,
+                   help="prompts the target writes (plus the bundled 228); raising it extends finished data")
     p.add_argument("--max-new-tokens", type=int, default=384, help="answer length when distilling")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--dtype", default="auto",
@@ -183,11 +210,16 @@ def main() -> int:
     outputs = {"synthesize": synth, "distill": data, "train": head, "export": export, "eval": evald / "results.json",
                "bench": bench / "results.json", "scaling": scaling / "scaling.json", "package": root / "packaged.json",
                "blocks": root / "blocks/results.json"}
+    grow = synth.exists() and synthesized(synth) < args.synth_prompts and "synthesize" not in redo
+    if grow:
+        redo.add("train")  # the data grows in place: the head and everything after it are made again
     for s in STAGES[min((STAGES.index(s) for s in redo), default=len(STAGES)):]:
         redo.add(s)  # a redone stage invalidates the ones after it
     for s in redo:
         trained = [root / f for f in BLOCK_FAMILIES] + [root / "blocks"] if s in ("distill", "blocks") else []
-        for target in [outputs[s]] + ([features, root / "main"] if s in ("distill", "train") else []) + trained:
+        made = ([features] if s == "distill" else []) + ([root / "main"] if s in ("distill", "train") else [])
+        run.forget(s)
+        for target in [outputs[s]] + made + trained:
             if target.is_dir():
                 shutil.rmtree(target)
             elif target.exists():
@@ -199,14 +231,18 @@ def main() -> int:
     run.say(f"machine: plain decode {run.times['plain_tok_s']:.1f} tok/s at batch 1 (fp32, engine)")
     run.say(f"synthesize and distill in {args.dtype}; train in precision {args.precision}")
 
+    if grow:
+        run.say(f"synthesize: {synth.relative_to(ROOT)} holds {synthesized(synth)} prompts, fewer than "
+                f"--synth-prompts {args.synth_prompts}: it and the distilled data are extended")
     run.stage("synthesize", synth, lambda: run.cmd("synthesize", [
         dh, "synthesize", "--num-prompts", str(args.synth_prompts), "--batch-size", str(args.batch_size),
         "--round-size", str(min(192, 2 * args.synth_prompts)),
-        "--dtype", args.dtype, "--out", str(synth)]))
+        "--dtype", args.dtype, "--out", str(synth), "--extend"]), finished=not grow)
     run.stage("distill", data, lambda: run.cmd("distill", [
         dh, "distill", "--prompts", "bundled:train", str(synth), "--max-new-tokens", str(args.max_new_tokens),
         "--batch-size", str(args.batch_size), "--dtype", args.dtype, "--max-seq-len", "1024", "--features", "eagle3",
-        "--feature-dir", str(features), "--val-fraction", "0.03", "--out", str(data)]))
+        "--feature-dir", str(features), "--val-fraction", "0.03", "--out", str(data), "--extend"]),
+        finished=data.exists() and distilled_all(data, synth))
     run.stage("train", head, lambda: fit(run, "train", train_config(root, "main", args)))
     run.stage("export", export, lambda: run.cmd("export", [
         dh, "export", "--head", str(head), "--format", "vllm-eagle3", "--out", str(export), "--verifier",

@@ -12,7 +12,10 @@ id, which ``train-head --data.feature_dir`` reads unchanged.
 
 Progress goes to ``OUT.partial`` (plus ``OUT.partial.json``, the settings) and to the feature cache's
 shards; a rerun of the same command resumes after the last committed shard, and ``OUT.partial`` is
-renamed to ``OUT`` when everything is written.
+renamed to ``OUT`` when everything is written, with the settings beside it (``OUT.settings.json``).
+
+``extend`` grows a finished ``OUT`` (and its feature cache) with prompts added to the ones it answered:
+with the other settings unchanged, only the new prompts are answered, and the cache gains shards.
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ def _prompts_digest(prompts: list[Prompt]) -> str:
     return h.hexdigest()[:16]
 
 
-def check_distill(prompts: list[Prompt], out, batch_size: int, features, feature_dir, val_fraction: float) -> None:
+def check_distill(prompts: list[Prompt], out, batch_size: int, features, feature_dir, val_fraction: float,
+                  extend: bool = False) -> None:
     """The arguments of :func:`distill` that need no target, checked before it is loaded."""
     if batch_size < 1:
         raise DraftheadsError(f"--batch-size {batch_size} must be >= 1")
@@ -96,8 +100,9 @@ def check_distill(prompts: list[Prompt], out, batch_size: int, features, feature
     if (features is None) != (feature_dir is None):
         raise DraftheadsError("--features and --feature-dir go together: give both, or neither")
     out = Path(out)
-    if out.exists():
-        raise DraftheadsError(f"--out {str(out)!r} already exists: remove it, or choose another path")
+    if out.exists() and not extend:
+        raise DraftheadsError(f"--out {str(out)!r} already exists: remove it, choose another path, or give --extend "
+                              "to answer only the prompts it lacks")
     check_writable_file(out)
     if feature_dir is not None:
         check_writable_dir(feature_dir, "--feature-dir")
@@ -108,7 +113,7 @@ def distill(
     batch_size: int = 32, seed: int = 0, top_p: float = 1.0, top_k: int = 0, max_seq_len: int | None = None,
     features=None, feature_dir: str | os.PathLike | None = None, val_fraction: float = 0.05,
     shard_rows: int = 64, feature_dtype=torch.bfloat16, progress=print, engine: str = "draftheads",
-    vllm: dict | None = None,
+    vllm: dict | None = None, extend: bool = False,
 ) -> Path:
     """Answer ``prompts`` with the target; returns ``out``. See the module docstring.
 
@@ -119,10 +124,10 @@ def distill(
 
     SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed)
     check_engine(engine)
-    check_distill(prompts, out, batch_size, features, feature_dir, val_fraction)
+    check_distill(prompts, out, batch_size, features, feature_dir, val_fraction, extend)
     out = Path(out)
     with exclusive(out), (exclusive(feature_dir, "--feature-dir") if feature_dir is not None else nullcontext()):
-        if out.exists():  # a run that held the lock finished meanwhile
+        if out.exists() and not extend:  # a run that held the lock finished meanwhile
             raise DraftheadsError(f"--out {str(out)!r} was just written by another run: choose another path")
         layers = ()
         if features is not None:
@@ -135,13 +140,14 @@ def distill(
         try:
             return _distill(backend, tok, name, dtype, engine, prompts, out, max_new_tokens, temperature, batch_size,
                             seed, top_p, top_k, features, feature_dir, val_fraction, shard_rows, feature_dtype,
-                            progress)
+                            progress, extend)
         finally:
             backend.close()
 
 
 def _distill(backend, tok, name, dtype, engine, prompts, out: Path, max_new_tokens, temperature, batch_size, seed,
-             top_p, top_k, features, feature_dir, val_fraction, shard_rows, feature_dtype, progress) -> Path:
+             top_p, top_k, features, feature_dir, val_fraction, shard_rows, feature_dtype, progress,
+             extend=False) -> Path:
     layers = tuple(getattr(backend, "capture", ()))
     settings = {"target": name, "prompts": _prompts_digest(prompts), "max_new_tokens": max_new_tokens,
                 "temperature": temperature, "top_p": top_p, "seed": seed, "max_seq_len": backend.max_seq_len,
@@ -152,6 +158,8 @@ def _distill(backend, tok, name, dtype, engine, prompts, out: Path, max_new_toke
         settings["top_k"] = top_k  # likewise: older partial files sampled from the whole vocabulary
     partial = out.with_name(out.name + ".partial")
     meta = out.with_name(out.name + ".partial.json")
+    if extend and out.exists():
+        _reopen(out, settings, prompts, feature_dir if layers else None)
     if meta.is_file():
         refuse_changed_settings(json.loads(meta.read_text()), settings, partial)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -215,8 +223,48 @@ def _distill(backend, tok, name, dtype, engine, prompts, out: Path, max_new_toke
         progress(f"distill: engine {engine} wrote the text only; for features run "
                  f"`draftheads cache-features --data {out} --layers eagle3 --out FEATURE_DIR` (or train online)")
     os.replace(partial, out)
-    meta.unlink()
+    os.replace(meta, settings_file(out))
     return out
+
+
+def settings_file(out: Path) -> Path:
+    """Where a finished distill keeps the settings it ran with (what ``extend`` must match)."""
+    return out.with_name(out.name + ".settings.json")
+
+
+def _reopen(out: Path, settings: dict, prompts: list[Prompt], feature_dir) -> None:
+    """Turn the finished ``out`` (and its feature cache) back into an interrupted run over ``prompts``, so
+    the resume answers only the prompts it lacks. Crash-safe: until ``out`` is renamed, a rerun starts
+    this over."""
+    idx = Path(feature_dir) / "index.json" if feature_dir is not None else None
+    if settings_file(out).is_file():
+        old = json.loads(settings_file(out).read_text())
+    elif idx is not None and idx.is_file():  # outputs from before the settings were kept beside them
+        old = json.loads(idx.read_text())["settings"]
+    else:
+        raise DraftheadsError(f"{out} has no {settings_file(out).name}, so its settings are unknown: it cannot be "
+                              "extended; distill to a new --out")
+    refuse_changed_settings({**old, "prompts": settings["prompts"]}, settings, out)
+    by_id = {p.id: p for p in prompts}
+    for r in read_jsonl_prefix(out):
+        p = by_id.get(r["id"])
+        if p is None or list(p.turns[: len(r["turns"])]) != r["turns"]:
+            raise DraftheadsError(
+                f"{out} answers prompt {r['id']!r}, which --prompts {'changed' if p else 'lacks'}: --extend needs "
+                "every prompt it was made from, unchanged, plus the new ones"
+            )
+    atomic_write_json(meta := out.with_name(out.name + ".partial.json"), settings)
+    if idx is not None:
+        if not idx.is_file():
+            raise DraftheadsError(f"--feature-dir {str(feature_dir)!r} has no index.json: give the cache {out} was "
+                                  "distilled with")
+        index = json.loads(idx.read_text())
+        if index.get("settings") not in (old, settings):  # settings: a rerun after a crash below
+            raise DraftheadsError(f"--feature-dir {str(feature_dir)!r} was not written with {out}: give the cache "
+                                  "it was distilled with")
+        atomic_write_json(idx, {**index, "settings": settings, "complete": False})
+    os.replace(out, out.with_name(out.name + ".partial"))
+    settings_file(out).unlink(missing_ok=True)
 
 
 def _record(p: Prompt, fin: Finished, tokenizer) -> dict:

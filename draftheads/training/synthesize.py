@@ -9,7 +9,9 @@ Candidates are filtered (finished, length, looks like a request), deduplicated e
 LSH (``datasketch``) against everything kept so far, and appended to ``OUT.partial`` one round at a
 time, so a rerun of the same command resumes. The output is the project's prompt jsonl
 (``{"id", "domain", "turns"}``), plus ``OUT.stats.json`` with per-domain counts, rejection reasons and
-diversity (distinct n-grams, near-duplicate rate).
+diversity (distinct n-grams, near-duplicate rate). ``extend`` grows a finished ``OUT`` to a larger
+``num_prompts`` with its other settings unchanged: its prompts are kept, new rounds are deduplicated
+against them, and ids go on where they stopped.
 """
 
 from __future__ import annotations
@@ -272,32 +274,65 @@ class Synthesizer:
 
 
 def synthesize(target, out: str | os.PathLike, config: SynthConfig | None = None, progress=print,
-               engine: str = "draftheads", vllm: dict | None = None) -> Path:
+               engine: str = "draftheads", vllm: dict | None = None, extend: bool = False) -> Path:
     """Write ``config.num_prompts`` target-written prompts to ``out``; see the module docstring. One run
     at a time writes ``out`` (a second stops with one line). ``engine``/``vllm``: who writes the text, as
-    for :func:`~draftheads.training.distill.distill` (``target`` is the spec for ``vllm``)."""
+    for :func:`~draftheads.training.distill.distill` (``target`` is the spec for ``vllm``). ``extend``: grow
+    an existing ``out`` to ``config.num_prompts`` (without one, it is written from nothing)."""
     from draftheads.training.backends import make_backend
 
     out = Path(out)
     cfg = config or SynthConfig()
     with exclusive(out):
-        if out.exists():
-            raise DraftheadsError(f"--out {str(out)!r} already exists: remove it, or choose another path")
+        if out.exists() and not extend:
+            raise DraftheadsError(f"--out {str(out)!r} already exists: remove it, choose another path, or give "
+                                  "--extend to grow it to --num-prompts")
         backend, tok, name, _ = make_backend(engine, target, out, cfg.batch_size, seed=cfg.seed, vllm=vllm)
         try:
-            return _synthesize(backend, tok, name, engine, out, cfg, progress)
+            settings = _settings(cfg, name, engine)
+            if out.exists():
+                _reopen(out, settings)
+            return _synthesize(backend, tok, name, out, cfg, settings, progress)
         finally:
             backend.close()
 
 
-def _synthesize(backend, tok, name: str, engine: str, out: Path, cfg: SynthConfig, progress) -> Path:
-    partial, meta = out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json")
+def _settings(cfg: SynthConfig, name: str, engine: str) -> dict:
+    """What a resumed or extended run must share with the run it continues."""
     settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}
     settings["target"] = name
     if not cfg.top_k:
         del settings["top_k"]  # partial files from before top_k sampled from the whole vocabulary
     if engine != "draftheads":
         settings["engine"] = engine
+    return settings
+
+
+def _reopen(out: Path, settings: dict) -> None:
+    """Turn the finished ``out`` back into an interrupted run aiming at ``settings["num_prompts"]``, so the
+    resume below extends it. Crash-safe: until ``out`` is renamed, a rerun starts this over."""
+    partial, meta = out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json")
+    report_file = out.with_name(out.name + ".stats.json")
+    if not report_file.is_file():
+        raise DraftheadsError(f"{out} has no {report_file.name}, so its settings are unknown: it cannot be "
+                              "extended; synthesize to a new --out")
+    report = json.loads(report_file.read_text())
+    if report["total"] > settings["num_prompts"]:
+        raise DraftheadsError(f"--num-prompts {settings['num_prompts']} is below the {report['total']} prompts "
+                              f"{out} holds: --extend only grows a file")
+    refuse_changed_settings({**report["settings"], "num_prompts": settings["num_prompts"]}, settings, out)
+    domains = report["domains"]
+    candidates = {d: v["candidates"] for d, v in domains.items()}
+    # every round plans round_size candidates (files from before "rounds" was recorded)
+    rounds = report.get("rounds", sum(candidates.values()) // settings["round_size"])
+    atomic_write_json(meta, {"settings": settings, "round": rounds, "kept": report["total"], "stats": {
+        "candidates": candidates, "kept": {d: v["kept"] for d, v in domains.items()},
+        "rejected": {d: v["rejected"] for d, v in domains.items()}}})
+    os.replace(out, partial)
+
+
+def _synthesize(backend, tok, name: str, out: Path, cfg: SynthConfig, settings: dict, progress) -> Path:
+    partial, meta = out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json")
     state = {"settings": settings, "round": 0, "stats": {}}
     if meta.is_file():
         state = json.loads(meta.read_text())
@@ -349,7 +384,7 @@ def _synthesize(backend, tok, name: str, engine: str, out: Path, cfg: SynthConfi
         progress(f"synthesize: round {r + 1}, kept {len(kept)}/{cfg.num_prompts} "
                  f"({time.perf_counter() - t0:.0f} s, {backend.tokens_generated} tokens written)")
     report = diversity_report(kept, stats)
-    report["settings"] = settings
+    report["settings"], report["rounds"] = settings, state["round"]
     atomic_write_json(out.with_name(out.name + ".stats.json"), report)
     os.replace(partial, out)
     meta.unlink()

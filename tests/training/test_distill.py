@@ -14,10 +14,14 @@ PROMPTS = [Prompt(f"p{i}", "chat", (f"question number {i}?",)) for i in range(7)
 ]
 
 
+def _kw(tmp_path, **kw):
+    return {"max_new_tokens": 12, "batch_size": 3, "features": (1, 4), "feature_dir": tmp_path / "feats",
+            "val_fraction": 0.3, "shard_rows": 1, "max_seq_len": 48, "feature_dtype": torch.float32,
+            "progress": lambda m: None, **kw}
+
+
 def _run(target, tmp_path, **kw):
-    kw = {"max_new_tokens": 12, "batch_size": 3, "features": (1, 4), "feature_dir": tmp_path / "feats",
-          "val_fraction": 0.3, "shard_rows": 1, "max_seq_len": 48, "feature_dtype": torch.float32, "progress": lambda m: None, **kw}
-    return distill(target, PROMPTS, tmp_path / "d.jsonl", **kw)
+    return distill(target, PROMPTS, tmp_path / "d.jsonl", **_kw(tmp_path, **kw))
 
 
 def test_distill_writes_records_and_features_of_the_same_pass(tiny_target, tmp_path):
@@ -104,6 +108,45 @@ def test_resume_after_a_kill_has_no_duplicates_or_gaps(tiny_target, tmp_path):
     assert sorted(out.read_text().splitlines()) == ref_recs
     keys = [k for s in ("train", "val") for sh in FeatureDataset(tmp_path / "feats", s).shards for k in sh["keys"]]
     assert sorted(keys) == sorted(p.id for p in PROMPTS)
+
+
+def _docs(feature_dir) -> dict:
+    """key -> (token ids, features of layer 4) of every conversation in a cache of one-row shards."""
+    out = {}
+    for split in ("train", "val"):
+        ds = FeatureDataset(feature_dir, split)
+        for i, sh in enumerate(ds.shards):
+            row = ds[i]
+            for d, key in enumerate(sh["keys"]):
+                sel = row["doc_ids"] == d
+                out[key] = (row["input_ids"][sel], row["feat_4"][sel])
+    return out
+
+
+def test_extend_answers_only_the_new_prompts(tiny_target, tmp_path):
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    ref = _run(tiny_target, whole)
+    out = distill(tiny_target, PROMPTS[:4], tmp_path / "d.jsonl", **_kw(tmp_path))
+    first = out.read_text().splitlines()
+    with pytest.raises(DraftheadsError, match="--extend"):
+        distill(tiny_target, PROMPTS, out, **_kw(tmp_path))
+    with pytest.raises(DraftheadsError, match="other settings"):
+        distill(tiny_target, PROMPTS, out, **_kw(tmp_path, max_new_tokens=13), extend=True)
+    with pytest.raises(DraftheadsError, match="lacks"):
+        distill(tiny_target, PROMPTS[1:], out, **_kw(tmp_path), extend=True)
+    assert out.read_text().splitlines() == first  # refused extensions leave the file as it was
+    distill(tiny_target, PROMPTS[:6], out, **_kw(tmp_path), extend=True)
+    (tmp_path / "d.jsonl.settings.json").unlink()  # as written before settings were kept: the cache's are read
+    distill(tiny_target, PROMPTS, out, **_kw(tmp_path), extend=True)
+    lines = out.read_text().splitlines()
+    assert lines[: len(first)] == first and sorted(lines) == sorted(ref.read_text().splitlines())
+    grown, direct = _docs(tmp_path / "feats"), _docs(whole / "feats")
+    assert sorted(grown) == sorted(direct) == sorted(p.id for p in PROMPTS)
+    for key, (ids, feat) in direct.items():
+        assert torch.equal(grown[key][0], ids)
+        torch.testing.assert_close(grown[key][1], feat, atol=1e-4, rtol=1e-4)  # other batch neighbours
+    assert json.loads((tmp_path / "feats" / "index.json").read_text())["complete"]
 
 
 def test_multi_turn_segments_follow_the_template(tiny_target):

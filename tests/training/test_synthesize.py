@@ -86,6 +86,42 @@ def test_synthesize_on_the_tiny_target_and_resume(tiny_llama_dir, tmp_path, monk
     assert len({json.loads(x)["id"] for x in lines}) == 12
 
 
+def test_extend_grows_a_finished_file_with_new_rounds(tiny_llama_dir, tmp_path, monkeypatch):
+    from draftheads.targets import load_target
+
+    target = load_target(str(tiny_llama_dir))
+    target.model.generation_config.eos_token_id = list(range(2, target.info.vocab_size, 3))
+    monkeypatch.setattr("draftheads.training.synthesize.is_request", lambda t: True)
+    cfg = SynthConfig(num_prompts=4, domains=("chat", "qa"), round_size=4, max_prompt_tokens=12, min_words=1,
+                      multi_turn=0.0, batch_size=4)
+    out = synthesize(target, tmp_path / "p.jsonl", cfg, progress=lambda m: None)
+    first = out.read_text().splitlines()
+    rounds = json.loads((tmp_path / "p.jsonl.stats.json").read_text())["rounds"]
+    bigger = SynthConfig(**{**cfg.__dict__, "num_prompts": 8})
+    with pytest.raises(DraftheadsError, match="--extend"):
+        synthesize(target, out, bigger, progress=lambda m: None)
+    with pytest.raises(DraftheadsError, match="other settings"):
+        synthesize(target, out, SynthConfig(**{**bigger.__dict__, "max_prompt_tokens": 13}), progress=lambda m: None,
+                   extend=True)
+    with pytest.raises(DraftheadsError, match="only grows"):
+        synthesize(target, out, SynthConfig(**{**cfg.__dict__, "num_prompts": 2}), progress=lambda m: None,
+                   extend=True)
+    assert out.read_text().splitlines() == first
+    seen = []
+    real = synthesize.__globals__["Synthesizer"].round
+    monkeypatch.setattr(synthesize.__globals__["Synthesizer"], "round",
+                        lambda self, r, wanted: seen.append(r) or real(self, r, wanted))
+    synthesize(target, out, bigger, progress=lambda m: None, extend=True)
+    lines = out.read_text().splitlines()
+    prompts = read_prompts(out)
+    assert lines[: len(first)] == first and len(prompts) == 8
+    assert len({p.id for p in prompts}) == 8 and len({p.turns[0].lower() for p in prompts}) == 8
+    assert seen and min(seen) == rounds  # new rounds, not a replay of the first file's
+    stats = json.loads((tmp_path / "p.jsonl.stats.json").read_text())
+    assert stats["total"] == 8 and {d: s["kept"] for d, s in stats["domains"].items()} == {"chat": 4, "qa": 4}
+    assert not list(tmp_path.glob("p.jsonl.partial*"))
+
+
 def test_synthesize_needs_a_chat_template(tmp_path):
     from draftheads.targets import load_target
     from draftheads.testing import save_tiny_llama
