@@ -225,6 +225,12 @@ def read_jsonl_prefix(path: str | os.PathLike) -> list[dict]:
     return out
 
 
+def partial_paths(out: Path) -> tuple[Path, Path]:
+    """Where a resumable run writing ``out`` keeps its progress (``OUT.partial``) and settings
+    (``OUT.partial.json``) until ``out`` is finished."""
+    return out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json")
+
+
 def refuse_changed_settings(old: dict, new: dict, partial: str | os.PathLike) -> None:
     """A resume must use the settings the interrupted run started with."""
     if old != new:

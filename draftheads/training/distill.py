@@ -40,6 +40,7 @@ from draftheads.utils import (
     check_writable_dir,
     check_writable_file,
     exclusive,
+    partial_paths,
     read_jsonl_prefix,
     refuse_changed_settings,
 )
@@ -156,8 +157,7 @@ def _distill(backend, tok, name, dtype, engine, prompts, out: Path, max_new_toke
         settings["engine"] = engine  # a resume keeps its engine (older partial files name none: the project's)
     if top_k:
         settings["top_k"] = top_k  # likewise: older partial files sampled from the whole vocabulary
-    partial = out.with_name(out.name + ".partial")
-    meta = out.with_name(out.name + ".partial.json")
+    partial, meta = partial_paths(out)
     if extend and out.exists():
         _reopen(out, settings, prompts, feature_dir if layers else None)
     if meta.is_file():
@@ -253,7 +253,8 @@ def _reopen(out: Path, settings: dict, prompts: list[Prompt], feature_dir) -> No
                 f"{out} answers prompt {r['id']!r}, which --prompts {'changed' if p else 'lacks'}: --extend needs "
                 "every prompt it was made from, unchanged, plus the new ones"
             )
-    atomic_write_json(meta := out.with_name(out.name + ".partial.json"), settings)
+    partial, meta = partial_paths(out)
+    atomic_write_json(meta, settings)
     if idx is not None:
         if not idx.is_file():
             raise DraftheadsError(f"--feature-dir {str(feature_dir)!r} has no index.json: give the cache {out} was "
@@ -263,7 +264,7 @@ def _reopen(out: Path, settings: dict, prompts: list[Prompt], feature_dir) -> No
             raise DraftheadsError(f"--feature-dir {str(feature_dir)!r} was not written with {out}: give the cache "
                                   "it was distilled with")
         atomic_write_json(idx, {**index, "settings": settings, "complete": False})
-    os.replace(out, out.with_name(out.name + ".partial"))
+    os.replace(out, partial)
     settings_file(out).unlink(missing_ok=True)
 
 

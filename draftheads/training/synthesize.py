@@ -33,6 +33,7 @@ from draftheads.utils import (
     atomic_write_json,
     atomic_write_text,
     exclusive,
+    partial_paths,
     read_jsonl_prefix,
     refuse_changed_settings,
 )
@@ -311,7 +312,7 @@ def _settings(cfg: SynthConfig, name: str, engine: str) -> dict:
 def _reopen(out: Path, settings: dict) -> None:
     """Turn the finished ``out`` back into an interrupted run aiming at ``settings["num_prompts"]``, so the
     resume below extends it. Crash-safe: until ``out`` is renamed, a rerun starts this over."""
-    partial, meta = out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json")
+    partial, meta = partial_paths(out)
     report_file = out.with_name(out.name + ".stats.json")
     if not report_file.is_file():
         raise DraftheadsError(f"{out} has no {report_file.name}, so its settings are unknown: it cannot be "
@@ -332,7 +333,7 @@ def _reopen(out: Path, settings: dict) -> None:
 
 
 def _synthesize(backend, tok, name: str, out: Path, cfg: SynthConfig, settings: dict, progress) -> Path:
-    partial, meta = out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json")
+    partial, meta = partial_paths(out)
     state = {"settings": settings, "round": 0, "stats": {}}
     if meta.is_file():
         state = json.loads(meta.read_text())
