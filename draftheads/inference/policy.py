@@ -6,17 +6,21 @@ The algorithm, per engine and across its ``generate`` calls:
   measurement is kept per batch-size bucket (1, 2, 4, 8, ...), since what pays at batch 1 may not at 16.
 * **Measurement**: a step is credited to the arm that actually ran -- a step in which no row drafted
   (every request switched off) is a plain step -- with the tokens it emitted and its wall time, draft
-  work included. Token counts decay by ``decay`` per step of that bucket, chosen or not (a window of
-  about ``1 / (1 - decay)`` steps), so old measurements fade.
+  work included. An arm's first step in a bucket runs its kernel shapes cold, so its tokens count but
+  its time does not. Token counts decay by ``decay`` per step of that bucket, chosen or not (a window
+  of about ``1 / (1 - decay)`` steps), so old measurements fade.
 * **Choice**: the arm with the best rate: decayed mean tokens per step over the median of its last
   nine step times (a step stalled by other work on the machine does not move the median).
 * **Exploration**: an arm is measured for ``explore_steps`` steps before it can be compared, cheapest
   first.
 * **Probe schedule**: every arm that is not the best is tried for one step after ``probe_after``
   steps; each probe it loses doubles its wait (up to ``max_probe_after``), a win resets it. While a
-  tree runs below ``prune`` times the best arm, the larger trees wait for its next probe: they cost
-  more per step and, with the same drafter, accept little more, so only the smallest losing tree is
-  probed until it comes close.
+  tree runs below ``prune`` times the best arm, the larger trees of its kind (chains after a chain,
+  branching trees after a branching tree) wait for its next probe, unexplored ones included: they
+  cost more per step and, with the same drafter, accept little more, so only the smallest losing
+  tree of each kind is probed until it comes close. Chains and branching trees do not hold each
+  other back, since their costs do not follow their sizes: on a CPU a 12-token tree can cost no more
+  than a 2-token chain, whose two-row matrix products run as two one-row ones.
 * **Large batch**: from the step times measured at each number of query tokens (the verify curve,
   seeded by ``draftheads profile`` where it was run), an arm is skipped when even its best case,
   every drafted token accepted, cannot beat plain decoding: (depth + 1) * t(batch) < t(batch * tree).
@@ -83,9 +87,11 @@ class CostCurve:
 
     def estimate(self, tokens: int) -> float | None:
         """Seconds of a step of ``tokens`` query tokens: interpolated, or extrapolated along the line
-        through the two nearest measured sizes; None with fewer than two."""
+        through the two nearest measured sizes up to twice the largest; None with fewer than two, or
+        further out (a line through 1 and 2 query tokens says nothing about 12: on a CPU a 12-token
+        step can cost what a 2-token one does)."""
         known = sorted((n, s / w) for n, (s, w) in self.points.items() if w > 0)
-        if len(known) < 2:
+        if len(known) < 2 or tokens > 2 * known[-1][0]:
             return None
         i = min(max(bisect.bisect_left([n for n, _ in known], tokens), 1), len(known) - 1)
         (n0, t0), (n1, t1) = known[i - 1], known[i]
@@ -95,7 +101,7 @@ class CostCurve:
 @dataclass
 class AutoTree:
     trees: dict[str, TreeSpec]  # arm name -> tree, cheapest first; plain decoding is the arm None
-    explore_steps: int = 2
+    explore_steps: int = 3
     decay: float = 0.98
     prune: float = 1.0
     probe_after: int = 32
@@ -154,10 +160,11 @@ class AutoTree:
             s.decay(self.decay)
         s = stats[arm]
         s.tokens += tokens
-        s.times.append(seconds)
         s.weight += 1
         s.steps += 1
-        self.curve.add(query_tokens, seconds)
+        if s.steps > 1:  # the first step ran this arm's shapes cold: its time is not what the arm costs
+            s.times.append(seconds)
+            self.curve.add(query_tokens, seconds)
         if s.steps < self.explore_steps:
             return
         best = self.best(batch)
@@ -167,9 +174,14 @@ class AutoTree:
             s.probe_after = min(2 * s.probe_after, self.max_probe_after)
         s.next_probe = step + s.probe_after
         if arm is not None and arm != best and s.rate < self.prune * stats[best].rate:
-            names = list(self.trees)
-            for a in names[names.index(arm) + 1:]:  # larger trees wait until this one comes close
+            for a in self._larger_of_kind(arm):  # they wait until this one comes close
                 stats[a].next_probe = max(stats[a].next_probe, s.next_probe + 1)
+
+    def _larger_of_kind(self, arm: str) -> list[str]:
+        """The trees after ``arm`` that are chains if it is one, branching trees if it branches."""
+        names = list(self.trees)
+        chain = self.trees[arm].top_k == 1
+        return [a for a in names[names.index(arm) + 1:] if (self.trees[a].top_k == 1) == chain]
 
     def best(self, batch: int = 1) -> str | None:
         stats = self._stats(_bucket(batch))

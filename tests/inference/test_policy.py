@@ -13,21 +13,25 @@ from draftheads.testing import random_heads
 TREES = {n: parse_tree(n) for n in ("chain2", "small", "large")}
 
 
-def _drive(pol, rates, steps, batch=1):
+def _drive(pol, tokens, steps, batch=1, seconds=None, first=1.0):
+    """``tokens`` emitted and ``seconds`` (default 1) taken per step by each arm; an arm's first step takes
+    ``first`` seconds instead (its kernels run cold)."""
     picks = []
     for _ in range(steps):
         arm = pol.choose(batch)
+        cold = arm not in picks
         picks.append(arm)
-        pol.update(arm, batch, tokens=int(rates[arm]), seconds=1.0, query_tokens=1)
+        pol.update(arm, batch, tokens=int(tokens[arm]), seconds=first if cold else (seconds or {}).get(arm, 1.0),
+                   query_tokens=1)
     return picks
 
 
 def test_auto_tree_explores_then_exploits_and_probes_with_backoff():
-    rates = {None: 10, "chain2": 14, "small": 12, "large": 11}  # tokens per second of each arm
+    rates = {None: 10, "chain2": 14, "small": 12, "large": 11}  # tokens per step, all at one second a step
     pol = AutoTree(dict(TREES), explore_steps=2, probe_after=8, max_probe_after=64)
     picks = _drive(pol, rates, 400)
     assert picks[:6] == [None, None, "chain2", "chain2", "small", "small"]
-    # small lost to chain2: the larger tree waits for small's probes, which keep losing
+    # small lost to chain2: the larger branching tree waits for small's probes, which keep losing
     assert "large" not in picks and pol.best(1) == "chain2"
     assert picks[8:].count("chain2") > 0.9 * len(picks[8:])  # 3 losing arms probed at most every 64 steps
     probes = [i for i, a in enumerate(picks) if i >= 8 and a != "chain2"]
@@ -36,12 +40,24 @@ def test_auto_tree_explores_then_exploits_and_probes_with_backoff():
     assert pol.cost_ratio("chain2", 1) == pytest.approx(1.0)
 
 
-def test_auto_tree_prunes_larger_trees_when_a_small_one_loses():
-    rates = {None: 10, "chain2": 5, "small": 4, "large": 3}
-    pol = AutoTree(dict(TREES), explore_steps=2, probe_after=50)
-    picks = _drive(pol, rates, 40)
-    assert "small" not in picks and "large" not in picks  # never explored in the first round
-    assert picks[4:].count(None) == len(picks[4:])
+def test_a_cold_first_step_does_not_make_an_arm_look_slow():
+    # plain's first step is 20x slower (new kernel shapes); it must still win against a chain that
+    # emits 2 tokens per step at three times its cost
+    pol = AutoTree({"chain2": TREES["chain2"]}, explore_steps=2, probe_after=100)
+    picks = _drive(pol, {None: 1, "chain2": 2}, 60, seconds={None: 1.0, "chain2": 3.0}, first=20.0)
+    assert pol.best(1) is None and pol.stats[1][None].step_time == 1.0
+    assert picks[:4] == [None, None, "chain2", "chain2"] and set(picks[4:]) == {None}
+
+
+def test_a_losing_tree_holds_back_the_larger_trees_of_its_kind_only():
+    trees = {n: parse_tree(n) for n in ("chain1", "chain3", "small", "large")}
+    tokens = {None: 10, "chain1": 5, "chain3": 6, "small": 4, "large": 3}
+    pol = AutoTree(trees, explore_steps=2, probe_after=8, max_probe_after=64)
+    picks = _drive(pol, tokens, 300)
+    # chain1 lost: chain3 waits, but the branching trees are no chains: small is explored, then loses
+    assert picks[:6] == [None, None, "chain1", "chain1", "small", "small"]
+    assert "chain3" not in picks and "large" not in picks
+    assert picks[6:].count("chain1") > 0 and picks[6:].count("small") > 0  # both probed, on their own backoff
 
 
 def test_auto_tree_keeps_measurements_per_batch_size_and_skips_trees_that_cannot_pay():
@@ -53,6 +69,16 @@ def test_auto_tree_keeps_measurements_per_batch_size_and_skips_trees_that_cannot
     picks = _drive(pol, {None: 10, "chain2": 9, "small": 9, "large": 9}, 10, batch=16)
     assert "large" not in picks
     assert pol.stats[16][None].steps and 1 not in pol.stats
+
+
+def test_cost_curve_extrapolates_only_near_what_it_measured():
+    curve = CostCurve()
+    curve.add(1, 0.044)
+    curve.add(2, 0.080)
+    assert curve.estimate(2) == pytest.approx(0.080) and curve.estimate(4) == pytest.approx(0.152)
+    assert curve.estimate(12) is None  # unknown: the tree is tried, not ruled out by a line through 1 and 2
+    pol = AutoTree({"small": parse_tree("small")}, curve=curve)
+    assert pol.can_pay("small", 1)
 
 
 def test_request_switch_state_lives_on_the_request():
