@@ -231,13 +231,14 @@ def partial_paths(out: Path) -> tuple[Path, Path]:
     return out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json")
 
 
-def refuse_changed_settings(old: dict, new: dict, partial: str | os.PathLike) -> None:
-    """A resume must use the settings the interrupted run started with."""
+def refuse_changed_settings(old: dict, new: dict, partial: str | os.PathLike, action: str = "resume") -> None:
+    """A resume (or an ``--extend``, ``action="extend"``) must use the settings the file was started with."""
     if old != new:
         diff = sorted(k for k in new.keys() | old.keys() if old.get(k) != new.get(k))
         raise DraftheadsError(
-            f"{partial} was started with other settings ({', '.join(diff)}): rerun with the same settings "
-            "to resume, or delete it to start over"
+            f"{partial} was {'started' if action == 'resume' else 'written'} with other settings "
+            f"({', '.join(diff)}): rerun with the same settings to {action} it, or "
+            + ("delete it to start over" if action == "resume" else "write a new --out")
         )
 
 

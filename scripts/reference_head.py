@@ -315,6 +315,8 @@ def _scaling(run: Run, root: Path, fractions: list[float], head: Path, features:
         res = json.loads((ev / "results.json").read_text())["modes"]["chain3"]["overall"]
         points.append({"fraction": f, "answer_tokens": int(round(f * train_answer_tokens)),
                        "val_acc": meta.get("val_accuracies"), "val_sim_tau": meta.get("val_sim_tau"),
+                       "val_window": meta.get("val_answer_window"), "val_window_acc": meta.get("val_window_accuracies"),
+                       "val_window_sim_tau": meta.get("val_window_sim_tau"),
                        "tau_chain3": res["tau"], "speedup_chain3": res["speedup"]})
     out = root / "scaling"
     out.mkdir(parents=True, exist_ok=True)
@@ -325,14 +327,21 @@ def _scaling(run: Run, root: Path, fractions: list[float], head: Path, features:
 
 def scaling_table(points: list[dict], args) -> str:
     k = max(len(p["val_acc"] or []) for p in points)
+    window = next((p["val_window"] for p in points if p.get("val_window")), None)
     lines = [f"chain-3 τ on the bundled eval ({args.scaling_eval_per_domain} prompts per domain, "
-             f"{args.eval_tokens} new tokens, T = 0); validation top-1 per TTT step", "",
-             "| train answer tokens | " + " | ".join(f"val acc@{j + 1}" for j in range(k)) +
-             " | sim τ (val) | τ chain 3 | speedup chain 3 |", "|---" * (k + 4) + "|"]
+             f"{args.eval_tokens} new tokens, T = 0); validation top-1 per TTT step over whole answers"
+             + (f", and step 1 and simulated τ over each answer's first {window} tokens" if window else ""), "",
+             "| train answer tokens | " + " | ".join(f"val acc@{j + 1}" for j in range(k)) + " | sim τ (val) | "
+             + (f"val acc@1 (first {window}) | sim τ (first {window}) | " if window else "")
+             + "τ chain 3 | speedup chain 3 |", "|---" * (k + 4 + 2 * bool(window)) + "|"]
     for p in points:
         acc = " | ".join(f"{a:.3f}" for a in p["val_acc"] or [])
-        lines.append(f"| {p['answer_tokens']:,} | {acc} | {p['val_sim_tau'] or 0:.2f} | {p['tau_chain3']:.2f} | "
-                     f"{p['speedup_chain3']:.2f}x |")
+        win = ""
+        if window:
+            w = p.get("val_window_acc")
+            win = f"{w[0]:.3f} | {p['val_window_sim_tau']:.2f} | " if w else "– | – | "
+        lines.append(f"| {p['answer_tokens']:,} | {acc} | {p['val_sim_tau'] or 0:.2f} | {win}"
+                     f"{p['tau_chain3']:.2f} | {p['speedup_chain3']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

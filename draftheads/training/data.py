@@ -224,6 +224,17 @@ def doc_causal_mask(doc_ids: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     return mask.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
 
 
+def answer_window(loss_mask: torch.Tensor, doc_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, T] loss mask keeping the first ``n`` tokens of each answer (a run of loss-mask tokens within
+    one document): the part of an answer a ``--max-new-tokens n`` evaluation sees."""
+    m = loss_mask.bool()
+    cont = torch.zeros_like(m)
+    cont[:, 1:] = m[:, :-1] & (doc_ids[:, 1:] == doc_ids[:, :-1])
+    idx = torch.arange(m.shape[1], device=m.device).expand_as(m)
+    start = torch.where(m & ~cont, idx, torch.zeros_like(idx)).cummax(1).values  # this answer's first token
+    return (m & (idx - start < n)).to(loss_mask.dtype)
+
+
 # ----------------------------------------------------------------------------- building a dataset
 
 

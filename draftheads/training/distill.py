@@ -244,7 +244,7 @@ def _reopen(out: Path, settings: dict, prompts: list[Prompt], feature_dir) -> No
     else:
         raise DraftheadsError(f"{out} has no {settings_file(out).name}, so its settings are unknown: it cannot be "
                               "extended; distill to a new --out")
-    refuse_changed_settings({**old, "prompts": settings["prompts"]}, settings, out)
+    refuse_changed_settings({**old, "prompts": settings["prompts"]}, settings, out, action="extend")
     by_id = {p.id: p for p in prompts}
     for r in read_jsonl_prefix(out):
         p = by_id.get(r["id"])

@@ -191,6 +191,11 @@ class Eagle3Module(_EagleBase):
                     [round(float(x), 2) for x in head.aux_scale])
         return head
 
+    def _initial_head(self, path: str):
+        head = super()._initial_head(path)
+        head.lm_head.weight.requires_grad_(not self.hparams.freeze_lm_head)
+        return head
+
     @torch.no_grad()
     def _aux_scale(self, datamodule, ids, how: str, batches: int = 4) -> torch.Tensor:
         """Scale of each aux hidden state over a few training batches (real tokens only)."""

@@ -15,15 +15,24 @@ import lightning as L
 import torch
 
 from draftheads.errors import DraftheadsError
-from draftheads.heads import check_head_fits_target
+from draftheads.heads import check_head_fits_target, load_head
 from draftheads.heads.base import HEAD_FILES, save_head_dir
 from draftheads.inference.metrics import simulated_tau
 from draftheads.targets import freeze, hidden_states, load_target
-from draftheads.training.data import doc_causal_mask
+from draftheads.training.data import answer_window, doc_causal_mask
 from draftheads.training.losses import linear_argmax
 from draftheads.utils import check_output_dir
 
 log = logging.getLogger(__name__)
+
+
+def _mean_per_step(hits: list[list[float]]) -> list[float]:
+    """Per-step means over validation batches of their per-step accuracies (NaN: no position)."""
+    means = []
+    for j in range(max(len(a) for a in hits)):
+        vals = [a[j] for a in hits if j < len(a) and not math.isnan(a[j])]
+        means.append(sum(vals) / len(vals) if vals else 0.0)
+    return means
 
 
 def warmup_cosine(step: int, total: int, warmup_ratio: float, floor: float) -> float:
@@ -50,8 +59,10 @@ class DraftHeadModule(L.LightningModule):
         warmup_ratio: float = 0.03,
         min_lr_ratio: float = 0.1,
         head_dir: str | None = None,
+        init_head: str | None = None,
         loss_impl: str = "auto",
         loss_chunk_size: int = 1024,
+        val_answer_window: int = 128,
         trust_remote_code: bool = False,
     ):
         """
@@ -65,8 +76,16 @@ class DraftHeadModule(L.LightningModule):
                 ``min_lr_ratio * lr``.
             min_lr_ratio: final learning rate as a fraction of ``lr``.
             head_dir: where the standalone head directory is written at the end of fit.
+            init_head: a head directory (or ``reference``) of this family to start from instead of a new
+                head: training goes on from its weights with a fresh optimizer and schedule (more epochs
+                for a trained head, or an imported public head fine-tuned on this data). Its config and
+                draft vocabulary are kept, so the family's options that shape a new head are not used.
             loss_impl: ``auto`` (Liger on CUDA, chunked torch elsewhere), ``liger`` or ``chunked``.
             loss_chunk_size: rows per chunk of the chunked loss.
+            val_answer_window: validation also reports the accuracies over the first this many tokens of
+                each answer, the part a ``--max-new-tokens`` evaluation of that length drafts for (long
+                answers end in repetitive text a draft predicts easily, which lifts the overall figure);
+                0 turns it off.
             trust_remote_code: allow custom modeling code for hub targets.
         """
         super().__init__()
@@ -75,6 +94,8 @@ class DraftHeadModule(L.LightningModule):
             raise DraftheadsError(f"model.lr={lr} must be > 0")
         if not 0 <= warmup_ratio < 1:
             raise DraftheadsError(f"model.warmup_ratio={warmup_ratio} must be in [0, 1)")
+        if val_answer_window < 0:
+            raise DraftheadsError(f"model.val_answer_window={val_answer_window} must be >= 0 (0: off)")
         if head_dir:  # checked now, not after the training it would end
             check_output_dir(head_dir, "head", names=HEAD_FILES, flag="model.head_dir",
                              fix="delete it first to replace it")
@@ -96,10 +117,21 @@ class DraftHeadModule(L.LightningModule):
         )
         self.target = freeze(loaded.model)
         self.info = loaded.info
-        if self.head is None:
+        if self.head is None and self.hparams.init_head:
+            self.head = self._initial_head(self.hparams.init_head)
+        elif self.head is None:
             dm = self.trainer.datamodule if self._trainer is not None else None
             self.head = self.build_head(self.info, dm)
         check_head_fits_target(self.head, self.info)
+
+    def _initial_head(self, path: str) -> torch.nn.Module:
+        head, meta = load_head(path)
+        if meta["head_type"] != self.head_type:
+            raise DraftheadsError(f"model.init_head {path} is a {meta['head_type']} head but this module trains "
+                                  f"{self.head_type} heads: start from a {self.head_type} head, or train it with "
+                                  "its own family's module")
+        log.warning("starting from the %s head in %s", meta["head_type"], path)
+        return head.float().to(self._rank_device()).train()
 
     def _rank_device(self) -> torch.device:
         """The device this process trains on (the strategy's root device; CPU without a trainer)."""
@@ -188,24 +220,31 @@ class DraftHeadModule(L.LightningModule):
 
     def on_validation_epoch_start(self):
         self._val_hits: list[list[float]] = []
+        self._val_window_hits: list[list[float]] = []
 
     def validation_step(self, batch, batch_idx):
         loss, _, accs = self.compute_loss(batch)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         self._val_hits.append(accs)
+        if n := self.hparams.val_answer_window:
+            windowed = {**batch, "loss_mask": answer_window(batch["loss_mask"], batch["doc_ids"], n)}
+            self._val_window_hits.append(self.compute_loss(windowed)[2])
 
     def on_validation_epoch_end(self):
         if not self._val_hits:
             return
-        k = max(len(a) for a in self._val_hits)
-        means = []
-        for j in range(k):
-            vals = [a[j] for a in self._val_hits if j < len(a) and not math.isnan(a[j])]
-            means.append(sum(vals) / len(vals) if vals else 0.0)
+        means = _mean_per_step(self._val_hits)
         for j, m in enumerate(means):
             self.log(f"val/acc_{j + 1}", m, sync_dist=True)
         self.log("val/sim_tau", simulated_tau(means), prog_bar=True, sync_dist=True)
         self.last_val_accuracies = means
+        if self._val_window_hits:
+            n = self.hparams.val_answer_window
+            window = _mean_per_step(self._val_window_hits)
+            for j, m in enumerate(window):
+                self.log(f"val/acc{n}_{j + 1}", m, sync_dist=True)
+            self.log(f"val/sim_tau{n}", simulated_tau(window), sync_dist=True)
+            self.last_val_window_accuracies = window
 
     # ------------------------------------------------------------------ optimisation
 
@@ -247,6 +286,10 @@ class DraftHeadModule(L.LightningModule):
             if getattr(self, "last_val_accuracies", None):
                 extra["val_accuracies"] = self.last_val_accuracies
                 extra["val_sim_tau"] = simulated_tau(self.last_val_accuracies)
+            if getattr(self, "last_val_window_accuracies", None):
+                extra["val_answer_window"] = self.hparams.val_answer_window
+                extra["val_window_accuracies"] = self.last_val_window_accuracies
+                extra["val_window_sim_tau"] = simulated_tau(self.last_val_window_accuracies)
             if getattr(self, "draft_vocab_coverage", None):
                 extra["draft_vocab_coverage"] = self.draft_vocab_coverage
             save_head_dir(self.hparams.head_dir, self.head.head_type, self.head.config, head_state, extra)

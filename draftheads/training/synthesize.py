@@ -321,7 +321,7 @@ def _reopen(out: Path, settings: dict) -> None:
     if report["total"] > settings["num_prompts"]:
         raise DraftheadsError(f"--num-prompts {settings['num_prompts']} is below the {report['total']} prompts "
                               f"{out} holds: --extend only grows a file")
-    refuse_changed_settings({**report["settings"], "num_prompts": settings["num_prompts"]}, settings, out)
+    refuse_changed_settings({**report["settings"], "num_prompts": settings["num_prompts"]}, settings, out, action="extend")
     domains = report["domains"]
     candidates = {d: v["candidates"] for d, v in domains.items()}
     # every round plans round_size candidates (files from before "rounds" was recorded)

@@ -5,7 +5,14 @@ import torch
 
 from draftheads.errors import DraftheadsError
 from draftheads.testing import tiny_tokenizer
-from draftheads.training.data import build_dataset, collate, doc_causal_mask, pack, tokenize_conversation
+from draftheads.training.data import (
+    answer_window,
+    build_dataset,
+    collate,
+    doc_causal_mask,
+    pack,
+    tokenize_conversation,
+)
 
 CONV = [
     {"role": "system", "content": "Be brief."},
@@ -74,6 +81,15 @@ def test_doc_mask_blocks_cross_document_attention():
     m = doc_causal_mask(torch.tensor([[0, 0, 1, -1]]))
     allowed = (m[0, 0] == 0).int().tolist()
     assert allowed == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
+
+
+def test_answer_window_keeps_the_first_tokens_of_every_answer():
+    # doc 0: a 3-token answer, a user turn, a 4-token answer; doc 1 starts mid-run of ones; then padding
+    mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 0]])
+    docs = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, -1]])
+    assert answer_window(mask, docs, 2).tolist() == [[0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0]]
+    assert answer_window(mask, docs, 1).tolist() == [[0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0]]
+    assert torch.equal(answer_window(mask, docs, 13), mask)
 
 
 def test_packed_target_features_equal_separate_forwards(tiny_target):

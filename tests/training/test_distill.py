@@ -131,7 +131,7 @@ def test_extend_answers_only_the_new_prompts(tiny_target, tmp_path):
     first = out.read_text().splitlines()
     with pytest.raises(DraftheadsError, match="--extend"):
         distill(tiny_target, PROMPTS, out, **_kw(tmp_path))
-    with pytest.raises(DraftheadsError, match="other settings"):
+    with pytest.raises(DraftheadsError, match="other settings.*to extend it, or write a new --out"):
         distill(tiny_target, PROMPTS, out, **_kw(tmp_path, max_new_tokens=13), extend=True)
     with pytest.raises(DraftheadsError, match="lacks"):
         distill(tiny_target, PROMPTS[1:], out, **_kw(tmp_path), extend=True)

@@ -100,7 +100,7 @@ def test_extend_grows_a_finished_file_with_new_rounds(tiny_llama_dir, tmp_path, 
     bigger = SynthConfig(**{**cfg.__dict__, "num_prompts": 8})
     with pytest.raises(DraftheadsError, match="--extend"):
         synthesize(target, out, bigger, progress=lambda m: None)
-    with pytest.raises(DraftheadsError, match="other settings"):
+    with pytest.raises(DraftheadsError, match="other settings.*to extend it"):
         synthesize(target, out, SynthConfig(**{**bigger.__dict__, "max_prompt_tokens": 13}), progress=lambda m: None,
                    extend=True)
     with pytest.raises(DraftheadsError, match="only grows"):

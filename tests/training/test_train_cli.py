@@ -56,7 +56,7 @@ def _weights(workdir, run):
 
 @pytest.mark.parametrize("model,extra", [
     ("EagleModule", {"feature_noise": 0.2}),
-    ("Eagle3Module", {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3]}),
+    ("Eagle3Module", {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3], "draft_vocab_size": 384}),
     ("MedusaModule", {"num_heads": 2, "draft_vocab_size": 40}),
     ("DFlashModule", {"block_size": 4, "anchors_per_row": 6, "num_layers": 2, "target_layer_ids": [1, 3]}),
     ("DSparkModule", {"block_size": 4, "anchors_per_row": 6, "target_layer_ids": [1, 3], "markov_rank": 8}),
@@ -80,10 +80,39 @@ def test_interrupted_and_resumed_equals_uninterrupted(workdir, model, extra):
     assert ckpt["optimizer_states"]
     meta = json.loads((workdir / f"part-{model}" / "head" / "config.json").read_text())
     assert len(meta["val_accuracies"]) >= 1
+    assert meta["val_answer_window"] == 128  # the default: accuracies over each answer's first 128 tokens too
+    assert len(meta["val_window_accuracies"]) == len(meta["val_accuracies"])
+
+
+def test_init_head_goes_on_from_a_trained_head(workdir):
+    from draftheads.errors import DraftheadsError
+    from draftheads.training import Eagle3Module, MedusaModule
+
+    # the whole vocabulary: the random target's argmax tokens are mostly outside one built from the data
+    extra = {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3], "draft_vocab_size": 384}
+    assert main(["fit", "--config", str(_config(workdir, "init-src", "Eagle3Module", 1, extra))]) == 0
+    src = workdir / "init-src" / "head"
+    trained = load_file(str(src / "model.safetensors"))
+    module = Eagle3Module(target=str(workdir / "tiny"), init_head=str(src), freeze_lm_head=True, **extra)
+    module.configure_model()
+    state = module.head.state_dict()
+    assert state.keys() == trained.keys()
+    for k, v in trained.items():
+        assert torch.equal(state[k], v.float()), k
+    assert not module.head.lm_head.weight.requires_grad
+    with pytest.raises(DraftheadsError, match="model.init_head .* is a eagle3 head but this module trains medusa"):
+        MedusaModule(target=str(workdir / "tiny"), init_head=str(src)).configure_model()
+    # a fit from it trains on and writes a head of the same shape and vocabulary
+    cfg = _config(workdir, "init-more", "Eagle3Module", 1, {**extra, "init_head": str(src)})
+    assert main(["fit", "--config", str(cfg)]) == 0
+    more = _weights(workdir, "init-more")
+    assert more.keys() == trained.keys() and torch.equal(more["d2t"], trained["d2t"])
+    assert not torch.equal(more["fc.weight"], trained["fc.weight"])
 
 
 def test_two_process_ddp_ends_with_equal_weights(workdir):
-    cfg = _config(workdir, "ddp", "Eagle3Module", 1, {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3]})
+    extra = {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3], "draft_vocab_size": 384}  # the whole vocabulary
+    cfg = _config(workdir, "ddp", "Eagle3Module", 1, extra)
     data = yaml.safe_load(cfg.read_text())
     data["trainer"]["callbacks"][0]["init_args"].update({"save_last": False, "save_top_k": 1})
     data["trainer"]["callbacks"].append({"class_path": "draftheads.training.callbacks.WeightDigest",

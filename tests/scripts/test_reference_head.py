@@ -1,0 +1,32 @@
+import importlib.util
+from argparse import Namespace
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts/reference_head.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("reference_head", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _point(tokens, acc, window=None):
+    p = {"answer_tokens": tokens, "val_acc": acc, "val_sim_tau": 1.5, "tau_chain3": 1.4, "speedup_chain3": 0.9}
+    if window:
+        p.update(val_window=128, val_window_acc=window, val_window_sim_tau=1.3)
+    return p
+
+
+def test_scaling_table_shows_first_tokens_accuracy_where_a_head_has_it():
+    args = Namespace(scaling_eval_per_domain=3, eval_tokens=128)
+    table = _script().scaling_table([_point(1000, [0.5, 0.4], [0.42, 0.3]), _point(8000, [0.6, 0.5])], args)
+    lines = table.splitlines()
+    assert "first 128" in lines[0] and "val acc@1 (first 128)" in lines[2]
+    cols = {len(line.split("|")) for line in lines[2:]}
+    assert len(cols) == 1  # header, rule and rows line up
+    assert "| 1,000 | 0.500 | 0.400 | 1.50 | 0.420 | 1.30 | 1.40 | 0.90x |" in table
+    assert "| 8,000 | 0.600 | 0.500 | 1.50 | – | – | 1.40 | 0.90x |" in table
+    plain = _script().scaling_table([_point(8000, [0.6, 0.5])], args)
+    assert "first" not in plain
