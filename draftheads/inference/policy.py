@@ -10,7 +10,10 @@ The algorithm, per engine and across its ``generate`` calls:
   its time does not. Token counts decay by ``decay`` per step of that bucket, chosen or not (a window
   of about ``1 / (1 - decay)`` steps), so old measurements fade.
 * **Choice**: the arm with the best rate: decayed mean tokens per step over the median of its last
-  nine step times (a step stalled by other work on the machine does not move the median).
+  nine step times (a step stalled by other work on the machine does not move the median). The mean
+  starts from ``prior_steps`` pseudo-steps at plain decoding's tokens per step (nothing accepted), so
+  an arm measured in few steps -- one that has been probed now and then, whose older steps have
+  decayed away -- does not become the best on one lucky step; an arm that runs soon outweighs them.
 * **Exploration**: an arm is measured for ``explore_steps`` steps before it can be compared, cheapest
   first.
 * **Probe schedule**: every arm that is not the best is tried for one step after ``probe_after``
@@ -55,10 +58,12 @@ class ArmStats:
         """Median of the last step times: one step stalled by the machine does not move it."""
         return statistics.median(self.times) if self.times else 0.0
 
-    @property
-    def rate(self) -> float:
-        """Tokens per second: decayed mean tokens per step over the median step time."""
-        return self.tokens / self.weight / self.step_time if self.weight and self.step_time > 0 else 0.0
+    def rate(self, prior_tokens: float = 0.0, prior_steps: float = 0.0) -> float:
+        """Tokens per second: decayed mean tokens per step, counting ``prior_steps`` pseudo-steps of
+        ``prior_tokens`` each, over the median step time."""
+        if not self.weight or self.step_time <= 0:
+            return 0.0
+        return (self.tokens + prior_steps * prior_tokens) / (self.weight + prior_steps) / self.step_time
 
     def decay(self, f: float) -> None:
         self.tokens *= f
@@ -102,6 +107,7 @@ class CostCurve:
 class AutoTree:
     trees: dict[str, TreeSpec]  # arm name -> tree, cheapest first; plain decoding is the arm None
     explore_steps: int = 3
+    prior_steps: float = 1.0
     decay: float = 0.98
     prune: float = 1.0
     probe_after: int = 32
@@ -173,7 +179,7 @@ class AutoTree:
         elif s.steps > self.explore_steps:
             s.probe_after = min(2 * s.probe_after, self.max_probe_after)
         s.next_probe = step + s.probe_after
-        if arm is not None and arm != best and s.rate < self.prune * stats[best].rate:
+        if arm is not None and arm != best and self._rate(stats, arm, batch) < self.prune * self._rate(stats, best, batch):
             for a in self._larger_of_kind(arm):  # they wait until this one comes close
                 stats[a].next_probe = max(stats[a].next_probe, s.next_probe + 1)
 
@@ -186,7 +192,14 @@ class AutoTree:
     def best(self, batch: int = 1) -> str | None:
         stats = self._stats(_bucket(batch))
         measured = [a for a in self.arms if stats[a].steps]
-        return max(measured, key=lambda a: stats[a].rate) if measured else None
+        return max(measured, key=lambda a: self._rate(stats, a, batch)) if measured else None
+
+    def _rate(self, stats: dict[str | None, ArmStats], arm: str | None, batch: int) -> float:
+        """``arm``'s rate with its mean pulled towards plain decoding's tokens per step (``batch`` until
+        plain has run)."""
+        plain = stats[None]
+        base = plain.tokens / plain.weight if plain.weight else float(batch)
+        return stats[arm].rate(base, self.prior_steps)
 
     def cost_ratio(self, arm: str | None, batch: int) -> float | None:
         """Measured step time of ``arm`` over plain decoding's at this batch (None until both ran)."""

@@ -60,6 +60,23 @@ def test_a_losing_tree_holds_back_the_larger_trees_of_its_kind_only():
     assert picks[6:].count("chain1") > 0 and picks[6:].count("small") > 0  # both probed, on their own backoff
 
 
+def test_one_lucky_probe_does_not_make_a_losing_arm_the_best():
+    # chain1 costs 1.5 plain steps and emits 1 token, but 2 on one probe long after its exploration (its
+    # older steps decayed away): on its own that step would beat plain, and chain3 would be explored
+    trees = {n: parse_tree(n) for n in ("chain1", "chain3")}
+    for prior, flips in ((1.0, False), (0.0, True)):
+        pol = AutoTree(trees, explore_steps=2, probe_after=40, prior_steps=prior)
+        picks, chain1 = [], 0
+        for _ in range(200):
+            arm = pol.choose(1)
+            chain1 += arm == "chain1"
+            tokens = 2 if arm == "chain1" and chain1 == 3 else 1
+            pol.update(arm, 1, tokens=tokens, seconds=1.5 if arm else 1.0, query_tokens=1)
+            picks.append(arm)
+        assert chain1 >= 3
+        assert ("chain3" in picks) == flips, prior
+
+
 def test_auto_tree_keeps_measurements_per_batch_size_and_skips_trees_that_cannot_pay():
     pol = AutoTree(dict(TREES), explore_steps=1)
     curve = CostCurve()
