@@ -15,13 +15,17 @@ The algorithm, per engine and across its ``generate`` calls:
   an arm measured in few steps -- one that has been probed now and then, whose older steps have
   decayed away -- does not become the best on one lucky step; an arm that runs soon outweighs them.
 * **Exploration**: an arm is measured for ``explore_steps`` steps before it can be compared, cheapest
-  first.
+  first. In a new batch bucket an arm already explored in another one is not explored again when the
+  tokens per row it emitted there (acceptance does not depend on the batch), over its step time here
+  by the verify curve (at least that of the largest size measured below it), cannot beat plain
+  decoding: it waits for its first probe instead, and holds back the larger trees of its kind as a
+  losing tree does (below).
 * **Probe schedule**: every arm that is not the best is tried for one step after ``probe_after``
   steps; each probe it loses doubles its wait (up to ``max_probe_after``), a win resets it. While a
   tree runs below ``prune`` times the best arm, the larger trees of its kind (chains after a chain,
-  branching trees after a branching tree) wait for its next probe, unexplored ones included: they
-  cost more per step and, with the same drafter, accept little more, so only the smallest losing
-  tree of each kind is probed until it comes close. Chains and branching trees do not hold each
+  branching trees after a branching tree) wait, unexplored ones included, until it comes close (the
+  largest explored tree below them decides): they cost more per step and, with the same drafter,
+  accept little more, so only the smallest losing tree of each kind is probed. Chains and branching trees do not hold each
   other back, since their costs do not follow their sizes: on a CPU a 12-token tree can cost no more
   than a 2-token chain, whose two-row matrix products run as two one-row ones.
 * **Large batch**: from the step times measured at each number of query tokens (the verify curve,
@@ -48,10 +52,12 @@ from draftheads.inference.tree import TreeSpec, parse_tree
 class ArmStats:
     tokens: float = 0.0  # decayed tokens emitted
     weight: float = 0.0  # decayed step count
+    rows: float = 0.0  # decayed rows stepped (batch size summed)
     times: deque = field(default_factory=lambda: deque(maxlen=9))  # wall seconds of its last steps
     steps: int = 0  # steps ever run
     probe_after: int = 0
     next_probe: int = 0
+    explore_steps: int = 0  # steps before it can be compared; 0 once its exploration is skipped
 
     @property
     def step_time(self) -> float:
@@ -68,6 +74,15 @@ class ArmStats:
     def decay(self, f: float) -> None:
         self.tokens *= f
         self.weight *= f
+        self.rows *= f
+
+    @property
+    def explored(self) -> bool:
+        return self.steps >= self.explore_steps
+
+    def tokens_per_row(self, prior_steps: float) -> float:
+        """Decayed mean tokens per row and step, counting ``prior_steps`` pseudo-steps of one token a row."""
+        return (self.tokens * self.weight / self.rows + prior_steps) / (self.weight + prior_steps)
 
 
 def _bucket(batch: int) -> int:
@@ -102,6 +117,15 @@ class CostCurve:
         (n0, t0), (n1, t1) = known[i - 1], known[i]
         return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
 
+    def at_least(self, tokens: int) -> float | None:
+        """Seconds of a step of ``tokens`` query tokens: the estimate where there is one, else a lower
+        bound, the longest step measured at no more tokens (a forward over more tokens is not faster)."""
+        est = self.estimate(tokens)
+        if est is not None:
+            return est
+        below = [s / w for n, (s, w) in self.points.items() if w > 0 and n <= _bucket(tokens)]
+        return max(below) if below else None
+
 
 @dataclass
 class AutoTree:
@@ -127,7 +151,8 @@ class AutoTree:
 
     def _stats(self, b: int) -> dict[str | None, ArmStats]:
         if b not in self.stats:
-            self.stats[b] = {a: ArmStats(probe_after=self.probe_after) for a in self.arms}
+            self.stats[b] = {a: ArmStats(probe_after=self.probe_after, explore_steps=self.explore_steps)
+                             for a in self.arms}
             self.steps[b] = 0
         return self.stats[b]
 
@@ -146,11 +171,17 @@ class AutoTree:
         stats = self._stats(_bucket(batch))
         step = self.steps[_bucket(batch)] + 1
         plain = self.curve.estimate(batch)
-        arms = [a for a in self.arms if self.can_pay(a, batch, plain) and step >= stats[a].next_probe]
-        for a in arms:  # exploration, cheapest first
-            if stats[a].steps < self.explore_steps:
-                return a
+        for a in self.trees:  # measured at another batch size and losing here: probed, not explored
+            if not stats[a].explored and not stats[a].steps and self._loses_elsewhere(a, batch):
+                stats[a].explore_steps = 0
+                stats[a].next_probe = step + stats[a].probe_after
         best = self.best(batch)
+        bar = self.prune * self._rate(stats, best, batch)
+        arms = [a for a in self.arms if self.can_pay(a, batch, plain) and step >= stats[a].next_probe
+                and not self._held_back(stats, a, batch, bar)]
+        for a in arms:  # exploration, cheapest first
+            if not stats[a].explored:
+                return a
         for a in arms:  # a probe of an arm that is not the best, when its wait is over
             if a != best:
                 return a
@@ -167,27 +198,43 @@ class AutoTree:
         s = stats[arm]
         s.tokens += tokens
         s.weight += 1
+        s.rows += batch
         s.steps += 1
         if s.steps > 1:  # the first step ran this arm's shapes cold: its time is not what the arm costs
             s.times.append(seconds)
             self.curve.add(query_tokens, seconds)
-        if s.steps < self.explore_steps:
+        if not s.explored:
             return
         best = self.best(batch)
         if arm == best:
             s.probe_after = self.probe_after
-        elif s.steps > self.explore_steps:
+        elif s.steps > s.explore_steps:
             s.probe_after = min(2 * s.probe_after, self.max_probe_after)
         s.next_probe = step + s.probe_after
-        if arm is not None and arm != best and self._rate(stats, arm, batch) < self.prune * self._rate(stats, best, batch):
-            for a in self._larger_of_kind(arm):  # they wait until this one comes close
-                stats[a].next_probe = max(stats[a].next_probe, s.next_probe + 1)
 
-    def _larger_of_kind(self, arm: str) -> list[str]:
-        """The trees after ``arm`` that are chains if it is one, branching trees if it branches."""
+    def _held_back(self, stats: dict[str | None, ArmStats], arm: str | None, batch: int, bar: float) -> bool:
+        """True while the largest smaller tree of ``arm``'s kind that has been explored (or probed
+        instead) runs below ``bar``."""
+        below = [a for a in self._smaller_of_kind(arm) if stats[a].explored] if arm is not None else []
+        return bool(below) and self._rate(stats, below[-1], batch) < bar
+
+    def _loses_elsewhere(self, arm: str, batch: int) -> bool:
+        """True when ``arm``, explored in another batch bucket, would run below plain decoding at
+        ``batch`` with the tokens per row it emitted there and its step time here by the curve."""
+        b = _bucket(batch)
+        seen = [stats[arm] for bb, stats in self.stats.items() if bb != b and stats[arm].rows]
+        t_plain = self._stats(b)[None].step_time or self.curve.estimate(batch)
+        t_arm = self.curve.at_least(batch * self.trees[arm].total_tokens)
+        if not seen or not t_plain or not t_arm:
+            return False
+        per_row = max(st.tokens_per_row(self.prior_steps) for st in seen)
+        return per_row * batch / t_arm < self.prune * batch / t_plain
+
+    def _smaller_of_kind(self, arm: str) -> list[str]:
+        """The trees before ``arm`` that are chains if it is one, branching trees if it branches."""
         names = list(self.trees)
         chain = self.trees[arm].top_k == 1
-        return [a for a in names[names.index(arm) + 1:] if (self.trees[a].top_k == 1) == chain]
+        return [a for a in names[:names.index(arm)] if (self.trees[a].top_k == 1) == chain]
 
     def best(self, batch: int = 1) -> str | None:
         stats = self._stats(_bucket(batch))

@@ -60,6 +60,16 @@ def test_a_losing_tree_holds_back_the_larger_trees_of_its_kind_only():
     assert picks[6:].count("chain1") > 0 and picks[6:].count("small") > 0  # both probed, on their own backoff
 
 
+def test_a_tree_losing_only_to_a_larger_one_of_its_kind_holds_nothing_back():
+    # chain1 beats plain but loses to chain2: chain3 is explored (the largest explored chain below it,
+    # chain2, is the best), and wins
+    trees = {n: parse_tree(n) for n in ("chain1", "chain2", "chain3")}
+    pol = AutoTree(trees, explore_steps=2, probe_after=8)
+    picks = _drive(pol, {None: 10, "chain1": 12, "chain2": 16, "chain3": 19}, 60)
+    assert picks[:8] == [None, None, "chain1", "chain1", "chain2", "chain2", "chain3", "chain3"]
+    assert pol.best(1) == "chain3"
+
+
 def test_one_lucky_probe_does_not_make_a_losing_arm_the_best():
     # chain1 costs 1.5 plain steps and emits 1 token, but 2 on one probe long after its exploration (its
     # older steps decayed away): on its own that step would beat plain, and chain3 would be explored
@@ -84,8 +94,41 @@ def test_auto_tree_keeps_measurements_per_batch_size_and_skips_trees_that_cannot
     pol.curve = curve
     assert pol.can_pay("large", 1) and not pol.can_pay("large", 16)  # 16 x 48 tokens: 7 x the cost at most
     picks = _drive(pol, {None: 10, "chain2": 9, "small": 9, "large": 9}, 10, batch=16)
-    assert "large" not in picks
+    assert "large" not in picks, [(i, a) for i, a in enumerate(picks) if a]
     assert pol.stats[16][None].steps and 1 not in pol.stats
+
+
+def test_an_arm_losing_at_one_batch_size_is_probed_not_explored_where_it_cannot_pay():
+    trees = {n: parse_tree(n) for n in ("chain2", "small", "large")}
+    per_row = {None: 1.0, "chain2": 1.0, "small": 2.0, "large": 2.0}  # tokens per row and step
+
+    def run(tokens_per_row, batch, steps, pol):
+        picks = []
+        for _ in range(steps):
+            arm = pol.choose(batch)
+            q = batch * (trees[arm].total_tokens if arm else 1)
+            pol.update(arm, batch, tokens=round(batch * tokens_per_row[arm]), seconds=pol.curve.at_least(q),
+                       query_tokens=q)
+            picks.append(arm)
+        return picks
+
+    def policy():
+        pol = AutoTree(dict(trees), explore_steps=2, probe_after=30)
+        pol.curve.seed({1: 1000, 4: 2000, 16: 2000, 64: 4000, 256: 9000})  # ms by query tokens
+        return pol
+
+    pol = policy()
+    assert run(per_row, 1, 40, pol)[:6] == [None, None, "chain2", "chain2", "small", "small"]
+    assert pol.best(1) is None and not pol.stats[1]["large"].steps  # small lost and held large back
+    picks = run(per_row, 16, 40, pol)  # 48 and 192 query tokens: 3.3 s and 7.3 s against plain's 2 s
+    # no exploration at batch 16, not even of large, which small held back at batch 1 and holds back here
+    assert picks[:2] == [None, None] and picks[2:30] == [None] * 28
+    assert "large" not in picks, [(i, a) for i, a in enumerate(picks) if a]
+    assert {"chain2", "small"} <= set(picks[30:])  # probed once their first wait is over
+    # what paid at batch 1 is explored at batch 16 as before
+    pol = policy()
+    run({None: 1.0, "chain2": 3.0, "small": 2.0, "large": 2.0}, 1, 40, pol)
+    assert pol.best(1) == "chain2" and run(per_row, 16, 4, pol)[2:] == ["chain2", "chain2"]
 
 
 def test_cost_curve_extrapolates_only_near_what_it_measured():
