@@ -113,11 +113,14 @@ def _ce_chunks(labels, row_weights=None):
     return ce, max(int(valid.sum()), 1)
 
 
-def _kl_chunks(ht, wt):
-    """KL(p_teacher || q_student) per chunk of rows, and its gradient wrt the student logits."""
+def _kl_chunks(ht, wt, argmax=None):
+    """KL(p_teacher || q_student) per chunk of rows, and its gradient wrt the student logits; fills
+    ``argmax`` [N], when given, with the student's top token."""
 
     def kl(s, logits):
         # three chunk-sized buffers: student logits -> log q -> grad, teacher logits -> log p -> log p - log q, p
+        if argmax is not None:
+            argmax[s : s + len(logits)] = logits.argmax(-1)
         log_q = logits.sub_(torch.logsumexp(logits, -1, keepdim=True))
         t = (ht[s : s + len(logits)] @ wt.T).float()
         log_p = t.sub_(torch.logsumexp(t, -1, keepdim=True))
@@ -153,9 +156,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
 class _ChunkedLinearKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hs, ws, ht, wt, chunk: int):
-        # student hs [N, H], ws [V, H]; teacher ht [N, Ht], wt [V, Ht]; mean over N of KL(p_t || q_s)
-        return _chunked_forward(ctx, [(hs, ws)], chunk, max(hs.shape[0], 1), _kl_chunks(ht, wt), n_extra=3)
+    def forward(ctx, hs, ws, ht, wt, chunk: int, argmax):
+        # student hs [N, H], ws [V, H]; teacher ht [N, Ht], wt [V, Ht]; mean over N of KL(p_t || q_s);
+        # argmax [N] or None: filled with the student's top tokens
+        return _chunked_forward(ctx, [(hs, ws)], chunk, max(hs.shape[0], 1), _kl_chunks(ht, wt, argmax), n_extra=4)
 
     backward = staticmethod(_chunked_backward)
 
@@ -249,17 +253,23 @@ def linear_token_nll(h, w, labels, chunk_size: int = DEFAULT_CHUNK) -> torch.Ten
     return out
 
 
-def linear_kl(hs, ws, ht, wt, chunk_size: int = DEFAULT_CHUNK, impl: str = "auto"):
-    """Mean over rows of KL(softmax(ht @ wt.T) || softmax(hs @ ws.T)); the teacher gets no gradient."""
+def linear_kl(hs, ws, ht, wt, chunk_size: int = DEFAULT_CHUNK, impl: str = "auto", return_argmax: bool = False):
+    """Mean over rows of KL(softmax(ht @ wt.T) || softmax(hs @ ws.T)); the teacher gets no gradient.
+    ``return_argmax``: also the student's top token per row [N] (read from the logits the chunked loss
+    computes anyway; a separate pass after Liger's)."""
     assert hs.shape[0] == ht.shape[0] and ws.shape[0] == wt.shape[0], (hs.shape, ws.shape, ht.shape, wt.shape)
     ht, wt = ht.detach(), wt.detach()
     if _use_liger(hs, impl):
         from liger_kernel.transformers import LigerFusedLinearJSD
 
-        return LigerFusedLinearJSD(jsd_beta=0.0)(hs, ws, ht, wt, None)
+        loss = LigerFusedLinearJSD(jsd_beta=0.0)(hs, ws, ht, wt, None)
+        return (loss, linear_argmax(hs.detach(), ws.detach(), chunk_size)) if return_argmax else loss
+    argmax = torch.empty(hs.shape[0], dtype=torch.int64, device=hs.device) if return_argmax else None
     if not _needs_grad(hs, ws):
-        return _chunked_loss_only([(hs, ws)], chunk_size, max(hs.shape[0], 1), _kl_chunks(ht, wt))
-    return _ChunkedLinearKL.apply(hs, ws, ht, wt, chunk_size)
+        loss = _chunked_loss_only([(hs, ws)], chunk_size, max(hs.shape[0], 1), _kl_chunks(ht, wt, argmax))
+    else:
+        loss = _ChunkedLinearKL.apply(hs, ws, ht, wt, chunk_size, argmax)
+    return (loss, argmax) if return_argmax else loss
 
 
 def linear_block_distill(hs, ws, ht, wt, labels, ce_weight: float = 0.1, tv_weight: float = 0.9,
@@ -374,9 +384,9 @@ def eagle_loss(
         z = pred.sum() * 0.0 + student_w.sum() * 0.0
         return z, {"reg": z.detach(), "kl": z.detach(), "acc": float("nan")}
     reg = F.smooth_l1_loss(p.float(), f.float(), reduction="none").mean(-1).mean()
-    kl = linear_kl(p, student_w, f, teacher_w, **kw)
+    kl, got = linear_kl(p, student_w, f, teacher_w, return_argmax=True, **kw)
     want = shift_left(target_argmax, 1, fill=-1)[mask]
-    acc = (linear_argmax(p.detach(), student_w.detach()) == want).float().mean().item()
+    acc = (got == want).float().mean().item()
     return feature_weight * reg + kl_weight * kl, {"reg": reg.detach(), "kl": kl.detach(), "acc": acc}
 
 
@@ -402,16 +412,15 @@ def eagle3_loss(
         m = future_mask(loss_mask, doc_ids, 2 + j)
         want = shift_left(target_argmax_draft, 1 + j, fill=-1)
         in_vocab = m & (want >= 0)
-        if m.any():
-            got = linear_argmax(out[m].detach(), student_w.detach())
-            accs.append((got == want[m]).float().mean().item())
-        else:
-            accs.append(float("nan"))
         if not in_vocab.any():
+            accs.append(0.0 if m.any() else float("nan"))
             losses.append(total.new_zeros(()))
             total = total + out.sum() * 0.0 + student_w.sum() * 0.0  # keep every parameter in the graph (DDP)
             continue
-        kl = linear_kl(out[in_vocab], student_w, shift_left(features, 1 + j)[in_vocab], teacher_w, **kw)
+        kl, got = linear_kl(out[in_vocab], student_w, shift_left(features, 1 + j)[in_vocab], teacher_w,
+                            return_argmax=True, **kw)
+        # a target token outside the draft vocabulary is a miss: hits over every scored position
+        accs.append(((got == want[in_vocab]).sum() / m.sum()).item())
         total = total + (decay**j) * kl
         losses.append(kl.detach())
     return total, losses, accs

@@ -60,6 +60,17 @@ def test_linear_kl_matches_plain_fp32(frozen_w):
         _close(a, b)
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_linear_kl_returns_the_students_argmax_with_the_same_loss(grad):
+    torch.manual_seed(3)
+    hs, ws = torch.randn(29, 24, requires_grad=grad), torch.randn(77, 24, requires_grad=grad)
+    ht, wt = torch.randn(29, 20), torch.randn(77, 20)
+    loss, top = linear_kl(hs, ws, ht, wt, chunk_size=7, impl="chunked", return_argmax=True)
+    assert torch.equal(top, (hs @ ws.T).argmax(-1))
+    _close(loss, plain_linear_kl(hs, ws, ht, wt))
+    assert loss.requires_grad == grad
+
+
 @pytest.mark.parametrize("weights", [(0.1, 0.9, 0.0), (0.0, 1.0, 0.0), (0.3, 0.2, 0.5)])
 @pytest.mark.parametrize("frozen_w", [False, True])
 def test_linear_block_distill_matches_plain(weights, frozen_w):
