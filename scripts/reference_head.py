@@ -1,18 +1,21 @@
 """`make reference-head`: the shipped EAGLE-3 head for the embedded SmolLM2-135M-Instruct, in one command.
 
-    synthesize -> distill --features -> train-head fit -> export -> eval -> bench -> scaling -> package
+    synthesize -> distill --features -> train-head fit -> extend -> export -> eval -> bench -> scaling -> package
 
 Everything goes under runs/reference/ and the log to runs/reference/log.txt. Each stage runs the project's
 own command (printed and logged); a rerun skips finished stages and resumes the unfinished one (synthesize
 and distill after their last committed round or shard, training from its last checkpoint). A larger
 --synth-prompts than the finished data holds extends synthesize and distill (only the new prompts are
-written and answered) and redoes training and everything after it. The machine's
+written and answered) and redoes training and everything after it. `extend` trains the head on for
+--extend-epochs more, from its weights with a fresh warmup and schedule (a warm restart); the scaling
+curve's points all keep the first fit's epochs, so they compare data at equal epochs. The machine's
 plain batch-1 decode rate is measured first and written beside every stage time (machines differ ~3x).
 
 `package` writes the head in bf16 with its CARD.md to draftheads/data/heads/smollm2-135m-eagle3/, only
 when its chain-3 tau on the bundled eval beats the committed head's (or with --force).
 
-    python scripts/reference_head.py [--synth-prompts 4300] [--redo STAGE,...|all] [--scaling 0.125,0.25,0.5]
+    python scripts/reference_head.py [--synth-prompts 4300] [--redo STAGE,...|all] [--extend-epochs 2]
+                                     [--scaling 0.125,0.25,0.5]
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-STAGES = ("synthesize", "distill", "train", "export", "eval", "bench", "scaling", "package", "blocks")
+STAGES = ("synthesize", "distill", "train", "extend", "export", "eval", "bench", "scaling", "package", "blocks")
 BLOCK_FAMILIES = ("dflash", "dspark")
 """Block drafters the ``blocks`` stage trains on the same feature cache and benches beside EAGLE-3."""
 SHIPPED = ROOT / "draftheads/data/heads/smollm2-135m-eagle3"
@@ -126,12 +129,16 @@ def native_dtype() -> str:
 
 
 def train_config(run: Path, name: str, args, fraction: float = 1.0,
-                 base: str = "configs/smollm2-eagle3-reference.yaml") -> Path:
-    """``base`` (a reference config) with its paths under ``run/name``, ``--epochs`` and ``--precision``."""
+                 base: str = "configs/smollm2-eagle3-reference.yaml", epochs: int | None = None,
+                 init_head: Path | None = None) -> Path:
+    """``base`` (a reference config) with its paths under ``run/name``, ``epochs`` (default ``--epochs``),
+    ``--precision`` and, given ``init_head``, training on from that head."""
     from draftheads.training.cli import config_under, save_config
 
-    trainer = {"precision": args.precision, **({"max_epochs": args.epochs} if args.epochs else {})}
+    epochs = epochs or args.epochs
+    trainer = {"precision": args.precision, **({"max_epochs": epochs} if epochs else {})}
     cfg = config_under(ROOT / base, run / name, run / "features", trainer=trainer,
+                       model={"init_head": str(init_head)} if init_head else None,
                        data={"train_fraction": fraction} if fraction < 1 else None)
     return save_config(cfg, run / name / "train.yaml", f"{base} by scripts/reference_head.py")
 
@@ -182,6 +189,9 @@ def main() -> int:
                    help="synthesize and distill dtype; auto: bfloat16 where the CPU or GPU computes it natively "
                         "(2-3x faster than float32 on a CPU with AVX512-BF16), else float32")
     p.add_argument("--epochs", type=int, default=None, help="override the config's max_epochs")
+    p.add_argument("--extend-epochs", type=int, default=2,
+                   help="epochs more, from the trained head with a fresh warmup and schedule; the extended head is "
+                        "the one exported, evaluated and packaged, while the scaling curve keeps --epochs (0 = none)")
     p.add_argument("--precision", default="auto",
                    help="training precision (Lightning's); auto: bf16-mixed where bf16 is native (1.6-2x faster "
                         "EAGLE-3 steps than 32 on a CPU with AVX512-BF16), else 32")
@@ -205,9 +215,11 @@ def main() -> int:
     run = Run(root)
     dh = str(BIN / "draftheads")
     synth, data, features = root / "data/synth.jsonl", root / "data/train.jsonl", root / "features"
-    head, export, evald, bench = root / "main/head", root / "export", root / "eval", root / "bench"
+    trained, export, evald, bench = root / "main/head", root / "export", root / "eval", root / "bench"
+    head = root / "extended/head" if args.extend_epochs else trained
     scaling = root / "scaling"
-    outputs = {"synthesize": synth, "distill": data, "train": head, "export": export, "eval": evald / "results.json",
+    outputs = {"synthesize": synth, "distill": data, "train": trained, "extend": root / "extended/head",
+               "export": export, "eval": evald / "results.json",
                "bench": bench / "results.json", "scaling": scaling / "scaling.json", "package": root / "packaged.json",
                "blocks": root / "blocks/results.json"}
     grow = synth.exists() and synthesized(synth) < args.synth_prompts and "synthesize" not in redo
@@ -215,11 +227,14 @@ def main() -> int:
         redo.add("train")  # the data grows in place: the head and everything after it are made again
     for s in STAGES[min((STAGES.index(s) for s in redo), default=len(STAGES)):]:
         redo.add(s)  # a redone stage invalidates the ones after it
+    if args.extend_epochs and not outputs["extend"].exists():
+        redo |= {"export", "eval", "bench", "package"}  # they were made from the head before it was extended
     for s in redo:
-        trained = [root / f for f in BLOCK_FAMILIES] + [root / "blocks"] if s in ("distill", "blocks") else []
-        made = ([features] if s == "distill" else []) + ([root / "main"] if s in ("distill", "train") else [])
+        blocks = [root / f for f in BLOCK_FAMILIES] + [root / "blocks"] if s in ("distill", "blocks") else []
+        made = ([features] if s == "distill" else []) + ([root / "main"] if s in ("distill", "train") else []) \
+            + ([root / "extended"] if s in ("distill", "train", "extend") else [])
         run.forget(s)
-        for target in [outputs[s]] + made + trained:
+        for target in [outputs[s]] + made + blocks:
             if target.is_dir():
                 shutil.rmtree(target)
             elif target.exists():
@@ -243,7 +258,10 @@ def main() -> int:
         "--batch-size", str(args.batch_size), "--dtype", args.dtype, "--max-seq-len", "1024", "--features", "eagle3",
         "--feature-dir", str(features), "--val-fraction", "0.03", "--out", str(data), "--extend"]),
         finished=data.exists() and distilled_all(data, synth))
-    run.stage("train", head, lambda: fit(run, "train", train_config(root, "main", args)))
+    run.stage("train", trained, lambda: fit(run, "train", train_config(root, "main", args)))
+    if args.extend_epochs:
+        run.stage("extend", head, lambda: fit(run, "extend", train_config(
+            root, "extended", args, epochs=args.extend_epochs, init_head=trained)))
     run.stage("export", export, lambda: run.cmd("export", [
         dh, "export", "--head", str(head), "--format", "vllm-eagle3", "--out", str(export), "--verifier",
         "smollm2-135m"]))
@@ -256,7 +274,7 @@ def main() -> int:
         "proposers,batch", "--max-new-tokens", str(args.eval_tokens), "--batches", "1,4,16", "--batch-repeats", "8",
         "--out", str(bench)]))
     fractions = [float(f) for f in args.scaling.split(",") if f.strip()]
-    run.stage("scaling", outputs["scaling"], lambda: _scaling(run, root, fractions, head, features, args))
+    run.stage("scaling", outputs["scaling"], lambda: _scaling(run, root, fractions, trained, features, args))
     run.stage("package", outputs["package"], lambda: _package(run, root, head, features, evald, bench, args))
     run.stage("blocks", outputs["blocks"], lambda: _blocks(run, root, head, args))
     run.say("reference-head: all stages done; stage times " + json.dumps(run.times))
