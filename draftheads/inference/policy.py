@@ -9,8 +9,11 @@ The algorithm, per engine and across its ``generate`` calls:
   work included. An arm's first step in a bucket runs its kernel shapes cold, so its tokens count but
   its time does not. Token counts decay by ``decay`` per step of that bucket, chosen or not (a window
   of about ``1 / (1 - decay)`` steps), so old measurements fade.
-* **Choice**: the arm with the best rate: decayed mean tokens per step over the median of its last
-  nine step times (a step stalled by other work on the machine does not move the median). The mean
+* **Choice**: the arm with the best rate: decayed mean tokens per step over its step time. Plain
+  decoding's step time is the median of its last nine (a step stalled by other work on the machine
+  does not move the median); a tree's is the median of its last nine step times over plain's at the
+  time, times plain's now. A machine's speed drifts (2x within an hour on a shared host), and a tree
+  probed now and then would otherwise be judged by times from when the machine was faster or slower. The mean
   starts from ``prior_steps`` pseudo-steps at plain decoding's tokens per step (nothing accepted), so
   an arm measured in few steps -- one that has been probed now and then, whose older steps have
   decayed away -- does not become the best on one lucky step; an arm that runs soon outweighs them.
@@ -21,7 +24,10 @@ The algorithm, per engine and across its ``generate`` calls:
   decoding: it waits for its first probe instead, and holds back the larger trees of its kind as a
   losing tree does (below).
 * **Probe schedule**: every arm that is not the best is tried for one step after ``probe_after``
-  steps; each probe it loses doubles its wait (up to ``max_probe_after``), a win resets it. While a
+  steps; each probe it loses doubles its wait (up to ``max_probe_after``), a win resets it. The wait
+  is counted in steps of the best arm's time: an arm whose step takes 4x as long waits 4x as many
+  steps, so probing takes the same share of the time whatever a probe costs (at batch 16 a probe
+  that catches the drafter up over every row costs several plain steps). While a
   tree runs below ``prune`` times the best arm, the larger trees of its kind (chains after a chain,
   branching trees after a branching tree) wait, unexplored ones included, until it comes close (the
   largest explored tree below them decides): they cost more per step and, with the same drafter,
@@ -54,6 +60,7 @@ class ArmStats:
     weight: float = 0.0  # decayed step count
     rows: float = 0.0  # decayed rows stepped (batch size summed)
     times: deque = field(default_factory=lambda: deque(maxlen=9))  # wall seconds of its last steps
+    ratios: deque = field(default_factory=lambda: deque(maxlen=9))  # the same over plain's step time then
     steps: int = 0  # steps ever run
     probe_after: int = 0
     next_probe: int = 0
@@ -64,12 +71,9 @@ class ArmStats:
         """Median of the last step times: one step stalled by the machine does not move it."""
         return statistics.median(self.times) if self.times else 0.0
 
-    def rate(self, prior_tokens: float = 0.0, prior_steps: float = 0.0) -> float:
-        """Tokens per second: decayed mean tokens per step, counting ``prior_steps`` pseudo-steps of
-        ``prior_tokens`` each, over the median step time."""
-        if not self.weight or self.step_time <= 0:
-            return 0.0
-        return (self.tokens + prior_steps * prior_tokens) / (self.weight + prior_steps) / self.step_time
+    def tokens_per_step(self, prior_tokens: float = 0.0, prior_steps: float = 0.0) -> float:
+        """Decayed mean tokens per step, counting ``prior_steps`` pseudo-steps of ``prior_tokens`` each."""
+        return (self.tokens + prior_steps * prior_tokens) / (self.weight + prior_steps) if self.weight else 0.0
 
     def decay(self, f: float) -> None:
         self.tokens *= f
@@ -202,6 +206,8 @@ class AutoTree:
         s.steps += 1
         if s.steps > 1:  # the first step ran this arm's shapes cold: its time is not what the arm costs
             s.times.append(seconds)
+            if arm is not None and stats[None].times:
+                s.ratios.append(seconds / stats[None].step_time)
             self.curve.add(query_tokens, seconds)
         if not s.explored:
             return
@@ -210,7 +216,9 @@ class AutoTree:
             s.probe_after = self.probe_after
         elif s.steps > s.explore_steps:
             s.probe_after = min(2 * s.probe_after, self.max_probe_after)
-        s.next_probe = step + s.probe_after
+        t_best = self._step_time(stats, best)
+        cost = self._step_time(stats, arm) / t_best if arm != best and t_best else 1.0
+        s.next_probe = step + round(s.probe_after * max(cost, 1.0))
 
     def _held_back(self, stats: dict[str | None, ArmStats], arm: str | None, batch: int, bar: float) -> bool:
         """True while the largest smaller tree of ``arm``'s kind that has been explored (or probed
@@ -246,7 +254,16 @@ class AutoTree:
         plain has run)."""
         plain = stats[None]
         base = plain.tokens / plain.weight if plain.weight else float(batch)
-        return stats[arm].rate(base, self.prior_steps)
+        t = self._step_time(stats, arm)
+        return stats[arm].tokens_per_step(base, self.prior_steps) / t if t > 0 else 0.0
+
+    @staticmethod
+    def _step_time(stats: dict[str | None, ArmStats], arm: str | None) -> float:
+        """Seconds of ``arm``'s step at the machine's speed now: a tree's through its ratios to plain."""
+        s, plain = stats[arm], stats[None]
+        if arm is None or not s.ratios or not plain.times:
+            return s.step_time
+        return statistics.median(s.ratios) * plain.step_time
 
     def cost_ratio(self, arm: str | None, batch: int) -> float | None:
         """Measured step time of ``arm`` over plain decoding's at this batch (None until both ran)."""
@@ -254,7 +271,7 @@ class AutoTree:
         plain, spec = stats[None], stats.get(arm)
         if arm is None or spec is None or not plain.weight or not spec.weight:
             return None
-        return spec.step_time / plain.step_time
+        return statistics.median(spec.ratios) if spec.ratios else spec.step_time / plain.step_time
 
 
 @dataclass

@@ -70,6 +70,28 @@ def test_a_tree_losing_only_to_a_larger_one_of_its_kind_holds_nothing_back():
     assert pol.best(1) == "chain3"
 
 
+def test_a_costlier_probe_waits_longer():
+    # both trees lose to plain; small's steps take 4 of plain's, chain1's 1: with the backoff capped at
+    # 8 steps, small is probed about a quarter as often, so each takes the same share of the time
+    trees = {n: parse_tree(n) for n in ("chain1", "small")}
+    pol = AutoTree(trees, explore_steps=2, probe_after=8, max_probe_after=8)
+    picks = _drive(pol, {None: 10, "chain1": 5, "small": 12}, 400, seconds={None: 1.0, "chain1": 1.0, "small": 4.0})
+    probes = {a: picks[6:].count(a) for a in trees}
+    assert 40 <= probes["chain1"] <= 50 and 9 <= probes["small"] <= 13, probes
+
+
+def test_a_tree_is_judged_at_the_machines_speed_now():
+    # chain2 emits 13 tokens a step where plain emits 10, at 1.4x plain's cost: it loses. After its
+    # exploration the machine slows to 1.5x for every step; by its old times chain2 would now win
+    trees = {"chain2": parse_tree("chain2")}
+    pol = AutoTree(trees, explore_steps=3, probe_after=16)
+    _drive(pol, {None: 10, "chain2": 13}, 40, seconds={None: 1.0, "chain2": 1.4})
+    assert pol.best(1) is None
+    slow = _drive(pol, {None: 10, "chain2": 13}, 200, seconds={None: 1.5, "chain2": 2.1})
+    assert pol.best(1) is None and slow.count("chain2") <= 4, slow.count("chain2")
+    assert pol.cost_ratio("chain2", 1) == pytest.approx(1.4)
+
+
 def test_one_lucky_probe_does_not_make_a_losing_arm_the_best():
     # chain1 costs 1.5 plain steps and emits 1 token, but 2 on one probe long after its exploration (its
     # older steps decayed away): on its own that step would beat plain, and chain3 would be explored
