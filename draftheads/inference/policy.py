@@ -9,14 +9,15 @@ The algorithm, per engine and across its ``generate`` calls:
   work included. An arm's first step in a bucket runs its kernel shapes cold, so its tokens count but
   its time does not. Token counts decay by ``decay`` per step of that bucket, chosen or not (a window
   of about ``1 / (1 - decay)`` steps), so old measurements fade.
-* **Choice**: the arm with the best rate: decayed mean tokens per step over its step time. Plain
-  decoding's step time is the median of its last nine (a step stalled by other work on the machine
-  does not move the median); a tree's is the median of its last nine step times over plain's at the
-  time, times plain's now. A machine's speed drifts (2x within an hour on a shared host), and a tree
-  probed now and then would otherwise be judged by times from when the machine was faster or slower. The mean
-  starts from ``prior_steps`` pseudo-steps at plain decoding's tokens per step (nothing accepted), so
-  an arm measured in few steps -- one that has been probed now and then, whose older steps have
-  decayed away -- does not become the best on one lucky step; an arm that runs soon outweighs them.
+* **Choice**: the arm with the best rate: decayed mean tokens per step over its step time.
+  - The mean starts from ``prior_steps`` pseudo-steps at plain decoding's tokens per step (nothing
+    accepted), so an arm measured in few steps -- one probed now and then, whose older steps have
+    decayed away -- does not become the best on one lucky step; an arm that runs soon outweighs them.
+  - Plain decoding's step time is the median of its last nine (a step stalled by other work on the
+    machine does not move the median). A tree's is the median of its last nine step times over
+    plain's at the time, times plain's now: a machine's speed drifts (here plain decoding went from
+    22 to 14 tok/s within an hour), and a tree probed now and then would otherwise be judged by
+    times from when the machine was faster or slower.
 * **Exploration**: an arm is measured for ``explore_steps`` steps before it can be compared, cheapest
   first. In a new batch bucket an arm already explored in another one is not explored again when the
   tokens per row it emitted there (acceptance does not depend on the batch), over its step time here
@@ -24,16 +25,17 @@ The algorithm, per engine and across its ``generate`` calls:
   decoding: it waits for its first probe instead, and holds back the larger trees of its kind as a
   losing tree does (below).
 * **Probe schedule**: every arm that is not the best is tried for one step after ``probe_after``
-  steps; each probe it loses doubles its wait (up to ``max_probe_after``), a win resets it. The wait
-  is counted in steps of the best arm's time: an arm whose step takes 4x as long waits 4x as many
-  steps, so probing takes the same share of the time whatever a probe costs (at batch 16 a probe
-  that catches the drafter up over every row costs several plain steps). While a
-  tree runs below ``prune`` times the best arm, the larger trees of its kind (chains after a chain,
-  branching trees after a branching tree) wait, unexplored ones included, until it comes close (the
-  largest explored tree below them decides): they cost more per step and, with the same drafter,
-  accept little more, so only the smallest losing tree of each kind is probed. Chains and branching trees do not hold each
-  other back, since their costs do not follow their sizes: on a CPU a 12-token tree can cost no more
-  than a 2-token chain, whose two-row matrix products run as two one-row ones.
+  steps; each probe it loses doubles its wait (up to ``max_probe_after``), a win resets it.
+  - The wait is counted in steps of the best arm's time: an arm whose step takes 4x as long waits 4x
+    as many steps, so probing takes the same share of the time whatever a probe costs (at batch 16
+    a probe that catches the drafter up over every row costs several plain steps).
+  - While a tree runs below ``prune`` times the best arm, the larger trees of its kind (chains after
+    a chain, branching trees after a branching tree) wait, unexplored ones included, until it comes
+    close (the largest explored tree below them decides): they cost more per step and, with the same
+    drafter, accept little more, so only the smallest losing tree of each kind is probed.
+  - Chains and branching trees do not hold each other back, since their costs do not follow their
+    sizes: on a CPU a 12-token tree can cost no more than a 2-token chain, whose two-row matrix
+    products run as two one-row ones.
 * **Large batch**: from the step times measured at each number of query tokens (the verify curve,
   seeded by ``draftheads profile`` where it was run), an arm is skipped when even its best case,
   every drafted token accepted, cannot beat plain decoding: (depth + 1) * t(batch) < t(batch * tree).
