@@ -215,10 +215,11 @@ def main() -> int:
     run = Run(root)
     dh = str(BIN / "draftheads")
     synth, data, features = root / "data/synth.jsonl", root / "data/train.jsonl", root / "features"
-    trained, export, evald, bench = root / "main/head", root / "export", root / "eval", root / "bench"
-    head = root / "extended/head" if args.extend_epochs else trained
+    trained, extended = root / "main/head", root / "extended/head"
+    export, evald, bench = root / "export", root / "eval", root / "bench"
+    head = extended if args.extend_epochs else trained
     scaling = root / "scaling"
-    outputs = {"synthesize": synth, "distill": data, "train": trained, "extend": root / "extended/head",
+    outputs = {"synthesize": synth, "distill": data, "train": trained, "extend": extended,
                "export": export, "eval": evald / "results.json",
                "bench": bench / "results.json", "scaling": scaling / "scaling.json", "package": root / "packaged.json",
                "blocks": root / "blocks/results.json"}
@@ -227,14 +228,14 @@ def main() -> int:
         redo.add("train")  # the data grows in place: the head and everything after it are made again
     for s in STAGES[min((STAGES.index(s) for s in redo), default=len(STAGES)):]:
         redo.add(s)  # a redone stage invalidates the ones after it
-    if args.extend_epochs and not outputs["extend"].exists():
+    if args.extend_epochs and not extended.exists():
         redo |= {"export", "eval", "bench", "package"}  # they were made from the head before it was extended
+    blocks = [root / f for f in BLOCK_FAMILIES] + [root / "blocks"]
+    also_made = {"distill": [features, root / "main", root / "extended", *blocks], "train": [root / "main", root / "extended"],
+                 "extend": [root / "extended"], "blocks": blocks}  # what else a stage wrote (checkpoints, logs)
     for s in redo:
-        blocks = [root / f for f in BLOCK_FAMILIES] + [root / "blocks"] if s in ("distill", "blocks") else []
-        made = ([features] if s == "distill" else []) + ([root / "main"] if s in ("distill", "train") else []) \
-            + ([root / "extended"] if s in ("distill", "train", "extend") else [])
         run.forget(s)
-        for target in [outputs[s]] + made + blocks:
+        for target in [outputs[s], *also_made.get(s, [])]:
             if target.is_dir():
                 shutil.rmtree(target)
             elif target.exists():

@@ -88,7 +88,8 @@ class ArmStats:
 
     def tokens_per_row(self, prior_steps: float) -> float:
         """Decayed mean tokens per row and step, counting ``prior_steps`` pseudo-steps of one token a row."""
-        return (self.tokens * self.weight / self.rows + prior_steps) / (self.weight + prior_steps)
+        rows_per_step = self.rows / self.weight
+        return self.tokens_per_step(rows_per_step, prior_steps) / rows_per_step
 
 
 def _bucket(batch: int) -> int:
@@ -233,9 +234,11 @@ class AutoTree:
         ``batch`` with the tokens per row it emitted there and its step time here by the curve."""
         b = _bucket(batch)
         seen = [stats[arm] for bb, stats in self.stats.items() if bb != b and stats[arm].rows]
+        if not seen:  # checked first: it is asked at every step while an arm waits unexplored
+            return False
         t_plain = self._stats(b)[None].step_time or self.curve.estimate(batch)
         t_arm = self.curve.at_least(batch * self.trees[arm].total_tokens)
-        if not seen or not t_plain or not t_arm:
+        if not t_plain or not t_arm:
             return False
         per_row = max(st.tokens_per_row(self.prior_steps) for st in seen)
         return per_row * batch / t_arm < self.prune * batch / t_plain
@@ -273,7 +276,7 @@ class AutoTree:
         plain, spec = stats[None], stats.get(arm)
         if arm is None or spec is None or not plain.weight or not spec.weight:
             return None
-        return statistics.median(spec.ratios) if spec.ratios else spec.step_time / plain.step_time
+        return self._step_time(stats, arm) / plain.step_time
 
 
 @dataclass
