@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 
 from draftheads.errors import DraftheadsError
 
@@ -18,6 +19,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("WANDB_MODE", "offline")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("lightning.fabric.utilities.seed").setLevel(logging.WARNING)  # "Seed set to 0"
+    # ChatDataModule saves its place in the epoch in every checkpoint and resumes there
+    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
     from lightning.pytorch.cli import LightningCLI
 
     from draftheads.training.datamodule import ChatDataModule
@@ -90,10 +93,6 @@ def check_ckpt_path(path) -> None:
                               "give the run's last.ckpt, or last")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 
 def config_under(base, out, feature_dir, trainer: dict | None = None, model: dict | None = None,
                  data: dict | None = None) -> dict:
@@ -130,3 +129,7 @@ def save_config(cfg: dict, path, source: str):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"# written from {source}\n" + yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,6 +13,26 @@ from draftheads.training.data import build_dataset, collate
 from draftheads.training.features import FeatureDataset, collate_features
 
 
+class ResumableSampler(DistributedSampler):
+    """A ``DistributedSampler`` that can begin an epoch part-way through its order.
+
+    A run resumed from a mid-epoch checkpoint goes on with the rows it had not reached, in the
+    same order, instead of starting the epoch's order again (which would train twice on its
+    first rows and never on its last).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.resume_at: tuple[int, int] | None = None  # (epoch, indices of that epoch already trained on)
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        if self.resume_at is not None and self.resume_at[0] == self.epoch:
+            indices = indices[self.resume_at[1]:]
+        self.resume_at = None  # later epochs start from their beginning
+        return iter(indices)
+
+
 class ChatDataModule(L.LightningDataModule):
     def __init__(
         self,
@@ -57,6 +77,7 @@ class ChatDataModule(L.LightningDataModule):
         self.train_set = self.val_set = None
         self.stats: dict = {}
         self._collate = collate
+        self._resume_at: tuple[int, int] | None = None  # (epoch, batches) read from a checkpoint
 
     def _build(self):
         tok = load_tokenizer(self.hparams.target, self.hparams.trust_remote_code)
@@ -105,17 +126,34 @@ class ChatDataModule(L.LightningDataModule):
             return token_counts([counted(ids, marks)], vocab_size)
         return token_counts((counted(torch.as_tensor(r["input_ids"]), torch.as_tensor(r[key])) for r in ds), vocab_size)
 
+    def state_dict(self) -> dict:
+        """Where training is in its epoch, saved in every checkpoint (Lightning calls this)."""
+        trainer = self.trainer
+        if trainer is None or trainer.state.fn != "fit":
+            return {}
+        return {"epoch": trainer.current_epoch,
+                "batches": trainer.fit_loop.epoch_loop.batch_progress.current.processed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "epoch" in state:
+            self._resume_at = (int(state["epoch"]), int(state["batches"]))
+
     def _loader(self, ds, shuffle: bool):
         trainer = self.trainer
         world = trainer.world_size if trainer is not None else 1
         rank = trainer.global_rank if trainer is not None else 0
-        sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=shuffle,
-                                     seed=self.hparams.seed, drop_last=False)
+        sampler = ResumableSampler(ds, num_replicas=world, rank=rank, shuffle=shuffle,
+                                   seed=self.hparams.seed, drop_last=False)
         return DataLoader(ds, batch_size=self.hparams.batch_size, sampler=sampler, collate_fn=self._collate,
                           num_workers=self.hparams.num_workers)
 
     def train_dataloader(self):
-        return self._loader(self.train_set, shuffle=True)
+        loader = self._loader(self.train_set, shuffle=True)
+        if self._resume_at is not None:  # resumed mid-epoch: skip the batches that epoch already trained on
+            epoch, batches = self._resume_at
+            loader.sampler.resume_at = (epoch, batches * self.hparams.batch_size)
+            self._resume_at = None
+        return loader
 
     def val_dataloader(self):
         return self._loader(self.val_set, shuffle=False) if len(self.val_set) else []

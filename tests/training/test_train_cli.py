@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from draftheads.testing import save_tiny_llama
 from draftheads.training.cli import main
+from draftheads.training.datamodule import ChatDataModule
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,6 +83,38 @@ def test_interrupted_and_resumed_equals_uninterrupted(workdir, model, extra):
     assert len(meta["val_accuracies"]) >= 1
     assert meta["val_answer_window"] == 128  # the default: accuracies over each answer's first 128 tokens too
     assert len(meta["val_window_accuracies"]) == len(meta["val_accuracies"])
+
+
+def test_resumed_mid_epoch_goes_on_with_the_rows_it_had_not_reached(workdir):
+    extra = {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3], "draft_vocab_size": 384}
+    data = {"packed": False, "batch_size": 1}  # one conversation per step: many steps per epoch
+    every = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+             "init_args": {"save_last": True, "every_n_train_steps": 5}}
+
+    def config(run):
+        path = _config(workdir, run, "Eagle3Module", 2, extra)
+        cfg = yaml.safe_load(path.read_text())
+        cfg["data"].update(data)
+        every["init_args"]["dirpath"] = str(workdir / run / "ckpt")
+        cfg["trainer"]["callbacks"] = [every]
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
+    assert main(["fit", "--config", str(config("mid-full"))]) == 0
+    part = config("mid-part")
+    stop = '{"class_path": "_interrupt.StopAfterStep", "init_args": {"step": 5}}'
+    assert main(["fit", "--config", str(part), "--trainer.callbacks+=" + stop]) == 0
+    ckpt = torch.load(workdir / "mid-part" / "ckpt" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 5 and ckpt["epoch"] == 0
+    assert ckpt["ChatDataModule"] == {"epoch": 0, "batches": 5}
+    dm = ChatDataModule(train_files=[str(workdir / "data.jsonl")], target=str(workdir / "tiny"), max_length=96,
+                        val_fraction=0.2, **data)
+    dm.setup()
+    assert len(dm.train_set) > 5  # so the stop fell inside the first epoch
+    assert main(["fit", "--config", str(part), "--ckpt_path", "last"]) == 0
+    a, b = _weights(workdir, "mid-full"), _weights(workdir, "mid-part")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
 
 
 def test_init_head_goes_on_from_a_trained_head(workdir):
