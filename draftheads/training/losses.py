@@ -113,17 +113,32 @@ def _ce_chunks(labels, row_weights=None):
     return ce, max(int(valid.sum()), 1)
 
 
-def _kl_chunks(ht, wt, argmax=None):
-    """KL(p_teacher || q_student) per chunk of rows, and its gradient wrt the student logits; fills
-    ``argmax`` [N], when given, with the student's top token."""
+def _linear_teacher(ht, wt):
+    """The teacher's log-probs of rows s .. s + n, computed from its inputs [N, Ht] and weight [V, Ht]."""
+
+    def log_p(s, n):
+        t = (ht[s : s + n] @ wt.T).float()
+        return t.sub_(torch.logsumexp(t, -1, keepdim=True))
+
+    return log_p
+
+
+def _table_teacher(table, rows):
+    """The teacher's log-probs of rows s .. s + n, read from ``table`` [M, V] at ``rows`` [N] (a copy)."""
+    return lambda s, n: table[rows[s : s + n]]
+
+
+def _kl_chunks(teacher, argmax=None):
+    """KL(p_teacher || q_student) per chunk of rows, and its gradient wrt the student logits; ``teacher(s,
+    n)`` gives the float32 log-probs of rows s .. s + n in a buffer this may overwrite. Fills ``argmax``
+    [N], when given, with the student's top token."""
 
     def kl(s, logits):
-        # three chunk-sized buffers: student logits -> log q -> grad, teacher logits -> log p -> log p - log q, p
+        # three chunk-sized buffers: student logits -> log q -> grad, teacher log p -> log p - log q, p
         if argmax is not None:
             argmax[s : s + len(logits)] = logits.argmax(-1)
         log_q = logits.sub_(torch.logsumexp(logits, -1, keepdim=True))
-        t = (ht[s : s + len(logits)] @ wt.T).float()
-        log_p = t.sub_(torch.logsumexp(t, -1, keepdim=True))
+        log_p = teacher(s, len(logits))
         p = log_p.exp()
         loss = p.view(-1) @ log_p.sub_(log_q).view(-1)
         return loss, log_q.exp_().sub_(p)
@@ -156,10 +171,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
 class _ChunkedLinearKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hs, ws, ht, wt, chunk: int, argmax):
-        # student hs [N, H], ws [V, H]; teacher ht [N, Ht], wt [V, Ht]; mean over N of KL(p_t || q_s);
-        # argmax [N] or None: filled with the student's top tokens
-        return _chunked_forward(ctx, [(hs, ws)], chunk, max(hs.shape[0], 1), _kl_chunks(ht, wt, argmax), n_extra=4)
+    def forward(ctx, hs, ws, teacher, chunk: int, argmax):
+        # student hs [N, H], ws [V, H]; teacher(s, n): log-probs of rows s .. s + n; mean over N of
+        # KL(p_t || q_s); argmax [N] or None: filled with the student's top tokens
+        return _chunked_forward(ctx, [(hs, ws)], chunk, max(hs.shape[0], 1), _kl_chunks(teacher, argmax), n_extra=3)
 
     backward = staticmethod(_chunked_backward)
 
@@ -264,11 +279,33 @@ def linear_kl(hs, ws, ht, wt, chunk_size: int = DEFAULT_CHUNK, impl: str = "auto
 
         loss = LigerFusedLinearJSD(jsd_beta=0.0)(hs, ws, ht, wt, None)
         return (loss, linear_argmax(hs.detach(), ws.detach(), chunk_size)) if return_argmax else loss
+    return _chunked_kl(hs, ws, _linear_teacher(ht, wt), chunk_size, return_argmax)
+
+
+def linear_kl_to(hs, ws, log_p, rows, chunk_size: int = DEFAULT_CHUNK, return_argmax: bool = False):
+    """:func:`linear_kl` against teacher log-probs computed once (:func:`teacher_log_probs`): row i's are
+    ``log_p[rows[i]]`` (log_p [M, V] float32, rows [N]). For several losses over the same teacher rows, such
+    as EAGLE-3's training-time-test steps. The chunked path (Liger takes the teacher's inputs)."""
+    assert hs.shape[0] == rows.shape[0] and ws.shape[0] == log_p.shape[1], (hs.shape, ws.shape, log_p.shape, rows.shape)
+    return _chunked_kl(hs, ws, _table_teacher(log_p, rows), chunk_size, return_argmax)
+
+
+@torch.no_grad()
+def teacher_log_probs(ht, wt, chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """log softmax(ht @ wt.T) in float32, chunked. ht [N, Ht], wt [V, Ht] -> [N, V]."""
+    out = torch.empty(ht.shape[0], wt.shape[0], dtype=torch.float32, device=ht.device)
+    teacher = _linear_teacher(ht, wt)
+    for s in range(0, ht.shape[0], chunk_size):
+        out[s : s + chunk_size] = teacher(s, chunk_size)
+    return out
+
+
+def _chunked_kl(hs, ws, teacher, chunk_size: int, return_argmax: bool):
     argmax = torch.empty(hs.shape[0], dtype=torch.int64, device=hs.device) if return_argmax else None
     if not _needs_grad(hs, ws):
-        loss = _chunked_loss_only([(hs, ws)], chunk_size, max(hs.shape[0], 1), _kl_chunks(ht, wt, argmax))
+        loss = _chunked_loss_only([(hs, ws)], chunk_size, max(hs.shape[0], 1), _kl_chunks(teacher, argmax))
     else:
-        loss = _ChunkedLinearKL.apply(hs, ws, ht, wt, chunk_size, argmax)
+        loss = _ChunkedLinearKL.apply(hs, ws, teacher, chunk_size, argmax)
     return (loss, argmax) if return_argmax else loss
 
 
@@ -390,6 +427,11 @@ def eagle_loss(
     return feature_weight * reg + kl_weight * kl, {"reg": reg.detach(), "kl": kl.detach(), "acc": acc}
 
 
+# the most memory the teacher's log-probs over the draft vocabulary may take to be computed once for every
+# TTT step (float32 [scored positions, draft vocab]); past it each step computes its own
+TEACHER_CACHE_BYTES = 1 << 30
+
+
 def eagle3_loss(
     step_outs,  # list of J normed draft outputs [B, T, H]
     features: torch.Tensor,  # [B, T, H_target] target last hidden state (post-norm)
@@ -404,23 +446,46 @@ def eagle3_loss(
     """Σ_j decay^j · KL(p_target restricted to the draft vocab || q_draft), step j at t vs position t+1+j.
 
     Positions whose target argmax lies outside the draft vocabulary are masked out of the loss (they
-    count as misses in the accuracies).
+    count as misses in the accuracies). The steps score mostly the same target positions, so on the
+    chunked path the teacher's log-probs are computed once for all of them.
     """
     total = features.new_zeros((), dtype=torch.float32)
     losses, accs = [], []
-    for j, out in enumerate(step_outs):
-        m = future_mask(loss_mask, doc_ids, 2 + j)
-        want = shift_left(target_argmax_draft, 1 + j, fill=-1)
-        in_vocab = m & (want >= 0)
+    masks = [future_mask(loss_mask, doc_ids, 2 + j) for j in range(len(step_outs))]
+    wants = [shift_left(target_argmax_draft, 1 + j, fill=-1) for j in range(len(step_outs))]
+    scored = [m & (want >= 0) for m, want in zip(masks, wants)]
+    slot = _teacher_slots(scored, teacher_w.shape[0]) if not _use_liger(features, kw.get("impl", "auto")) else None
+    if slot is not None:  # [B, T]: the row of the teacher's log-probs table each position reads, -1 if none
+        table = teacher_log_probs(features[slot >= 0].detach(), teacher_w.detach(), kw.get("chunk_size", DEFAULT_CHUNK))
+    for j, (out, m, want, in_vocab) in enumerate(zip(step_outs, masks, wants, scored)):
         if not in_vocab.any():
             accs.append(0.0 if m.any() else float("nan"))
             losses.append(total.new_zeros(()))
             total = total + out.sum() * 0.0 + student_w.sum() * 0.0  # keep every parameter in the graph (DDP)
             continue
-        kl, got = linear_kl(out[in_vocab], student_w, shift_left(features, 1 + j)[in_vocab], teacher_w,
-                            return_argmax=True, **kw)
+        if slot is None:
+            kl, got = linear_kl(out[in_vocab], student_w, shift_left(features, 1 + j)[in_vocab], teacher_w,
+                                return_argmax=True, **kw)
+        else:
+            kl, got = linear_kl_to(out[in_vocab], student_w, table, shift_left(slot, 1 + j, fill=-1)[in_vocab],
+                                   chunk_size=kw.get("chunk_size", DEFAULT_CHUNK), return_argmax=True)
         # a target token outside the draft vocabulary is a miss: hits over every scored position
         accs.append(((got == want[in_vocab]).sum() / m.sum()).item())
         total = total + (decay**j) * kl
         losses.append(kl.detach())
     return total, losses, accs
+
+
+def _teacher_slots(scored, vocab: int) -> torch.Tensor | None:
+    """[B, T] long: for each target position some step scores (step j at t scores t + 1 + j), its row in
+    a table of the teacher's log-probs, else -1; None when that table would pass TEACHER_CACHE_BYTES."""
+    need = torch.zeros_like(scored[0])
+    for j, m in enumerate(scored):
+        if 1 + j < m.shape[1]:
+            need[:, 1 + j :] |= m[:, : m.shape[1] - 1 - j]
+    count = int(need.sum())
+    if count * vocab * 4 > TEACHER_CACHE_BYTES:
+        return None
+    slot = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
+    slot[need] = torch.arange(count, device=need.device)
+    return slot

@@ -4,6 +4,7 @@ import torch
 from draftheads.heads.medusa import MedusaConfig, MedusaHeads
 from draftheads.training.losses import (
     IGNORE_INDEX,
+    eagle3_loss,
     future_mask,
     linear_block_distill,
     linear_cross_entropy,
@@ -69,6 +70,46 @@ def test_linear_kl_returns_the_students_argmax_with_the_same_loss(grad):
     assert torch.equal(top, (hs @ ws.T).argmax(-1))
     _close(loss, plain_linear_kl(hs, ws, ht, wt))
     assert loss.requires_grad == grad
+
+
+@pytest.mark.parametrize("cache_bytes", [1 << 30, 0])  # teacher log-probs computed once, or per step
+def test_eagle3_loss_equals_its_sum_of_per_step_kls(monkeypatch, cache_bytes):
+    import draftheads.training.losses as losses
+
+    monkeypatch.setattr(losses, "TEACHER_CACHE_BYTES", cache_bytes)
+    torch.manual_seed(5)
+    b, t, h, ht_dim, v, steps = 2, 13, 8, 6, 17, 3
+    outs = [torch.randn(b, t, h, requires_grad=True) for _ in range(steps)]
+    features, ws, wt = torch.randn(b, t, ht_dim), torch.randn(v, h, requires_grad=True), torch.randn(v, ht_dim)
+    loss_mask = torch.ones(b, t, dtype=torch.long)
+    loss_mask[:, :3] = 0  # a prompt
+    doc_ids = torch.zeros(b, t, dtype=torch.long)
+    doc_ids[1, 7:] = 1  # two documents in the second row
+    want = torch.randint(0, v, (b, t))
+    want[0, 5] = want[1, 9] = -1  # outside the draft vocabulary
+    total, per_step, accs = eagle3_loss(outs, features, loss_mask, doc_ids, ws, wt, want, decay=0.5, chunk_size=4,
+                                        impl="chunked")
+    total.backward()
+    ref = torch.zeros(())
+    for j, out in enumerate(outs):
+        # by hand: step j at position p predicts the target's distribution at p + 1 + j, in one document
+        rows = [(r, p) for r in range(b) for p in range(t - 2 - j)
+                if loss_mask[r, p + 2 + j] and doc_ids[r, p] == doc_ids[r, p + 2 + j] and want[r, p + 1 + j] >= 0]
+        hs = torch.stack([out[r, p] for r, p in rows])
+        kl = plain_linear_kl(hs, ws, torch.stack([features[r, p + 1 + j] for r, p in rows]), wt)
+        _close(per_step[j], kl.detach())
+        ref = ref + 0.5**j * kl
+        scored = sum(int(loss_mask[r, p + 2 + j] and doc_ids[r, p] == doc_ids[r, p + 2 + j])
+                     for r in range(b) for p in range(t - 2 - j))
+        hits = sum(int((out[r, p] @ ws.T).argmax() == want[r, p + 1 + j]) for r, p in rows)
+        assert accs[j] == pytest.approx(hits / scored)
+    _close(total.detach(), ref.detach())
+    grads = [o.grad.clone() for o in outs] + [ws.grad.clone()]
+    for x in outs + [ws]:
+        x.grad = None
+    ref.backward()
+    for a, x in zip(grads, outs + [ws]):
+        _close(a, x.grad)
 
 
 @pytest.mark.parametrize("weights", [(0.1, 0.9, 0.0), (0.0, 1.0, 0.0), (0.3, 0.2, 0.5)])
