@@ -258,13 +258,14 @@ class Engine:
             logits, hidden = self.forward(cache, live, trees, layer_ids)
             results = self.verifier.verify(live, trees, logits)
             cache.commit_many([(st.rid, res.path) for st, res in zip(live, results)])
-            emitted = []
+            emitted, left = [], []
             off = 0
             for st, t, res in zip(live, trees, results):
                 if len(t) > 1:
                     st.metrics.record_draft(t.depth, len(res.accepted), draft_tokens=len(t) - 1)
                 st.metrics.target_forwards += 1
                 before = len(st.tokens)
+                left.append(st.params.max_new_tokens - len(st.generated))
                 self._emit(st, res.tokens)
                 emitted.append(len(st.tokens) - before)
                 if self.proposer and not st.done:
@@ -272,7 +273,7 @@ class Engine:
                     self.proposer.observe(st, {i: h[path] for i, h in hidden.items()}, len(res.path))
                 off += len(t)
             if self.policy:
-                self._credit(arm, live, trees, emitted, time.perf_counter() - t_step)
+                self._credit(arm, live, trees, emitted, time.perf_counter() - t_step, left)
             if progress:
                 progress(sum(len(st.generated) for st in states))
         wall = time.perf_counter() - t0
@@ -297,10 +298,16 @@ class Engine:
                 self.switch.maybe_probe(st, self.steps)
         return arm, self.policy.trees.get(arm)
 
-    def _credit(self, arm, live, trees, emitted, seconds) -> None:
-        """The step goes to the arm that actually ran: plain when no row drafted."""
+    def _credit(self, arm, live, trees, emitted, seconds, left) -> None:
+        """The step goes to the arm that actually ran (plain when no row drafted), credited with the
+        tokens it moved the whole batch on by: the batch size times how much the most tokens any row
+        still has to write (``left`` before the step) went down, at most the most a row emitted (a row
+        ending at an end-of-sequence token is not the arm's doing). A call ends with its last row, so
+        tokens that finish other rows sooner do not shorten it."""
         ran = arm if any(len(t) > 1 for t in trees) else None
-        self.policy.update(ran, len(live), sum(emitted), seconds, sum(len(t) for t in trees))
+        after = max((k - n for st, k, n in zip(live, left, emitted) if not st.done), default=0)
+        advanced = min(max(left) - after, max(emitted))
+        self.policy.update(ran, len(live), len(live) * advanced, seconds, sum(len(t) for t in trees))
         ratio = self.policy.cost_ratio(ran, len(live))
         if ratio is not None:
             for st, t, n in zip(live, trees, emitted):

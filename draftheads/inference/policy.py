@@ -5,8 +5,10 @@ The algorithm, per engine and across its ``generate`` calls:
 * **Arms**: plain decoding and the proposer's trees (``Proposer.auto_trees``), cheapest first. Every
   measurement is kept per batch-size bucket (1, 2, 4, 8, ...), since what pays at batch 1 may not at 16.
 * **Measurement**: a step is credited to the arm that actually ran -- a step in which no row drafted
-  (every request switched off) is a plain step -- with the tokens it emitted and its wall time, draft
-  work included. An arm's first step in a bucket runs its kernel shapes cold, so its tokens count but
+  (every request switched off) is a plain step -- with its wall time, draft work included, and the
+  tokens it moved the batch on by: the batch size times how much the most tokens any row still has to
+  write went down. A batch's call ends with its last row, so a drafter accepted in one row and not in
+  another saves no step, however many tokens the first row emits. An arm's first step in a bucket runs its kernel shapes cold, so its tokens count but
   its time does not. Token counts decay by ``decay`` per step of that bucket, chosen or not (a window
   of about ``1 / (1 - decay)`` steps), so old measurements fade.
 * **Choice**: the arm with the best rate: decayed mean tokens per step over its step time.

@@ -182,8 +182,8 @@ class CostModelEngine(Engine):
     """The engine with each step's wall time replaced by a cost model (a fixed cost plus one per query
     token), so that the policy's decisions do not depend on the load of the machine running the tests."""
 
-    def _credit(self, arm, live, trees, emitted, seconds):
-        super()._credit(arm, live, trees, emitted, 1.0 + 0.1 * sum(len(t) for t in trees))
+    def _credit(self, arm, live, trees, emitted, seconds, left):
+        super()._credit(arm, live, trees, emitted, 1.0 + 0.1 * sum(len(t) for t in trees), left)
 
 
 def _arms_run(engine):
@@ -203,17 +203,48 @@ def test_policy_goes_plain_on_a_useless_proposer(tiny_target):
     assert steps["large"] == 0  # pruned after the smaller trees lost
 
 
-def test_policy_speculates_with_an_oracle(tiny_target):
+@pytest.mark.parametrize("prompts", [[[5, 6, 7, 8]], [[5, 6, 7, 8], [9, 10, 11]]])
+def test_policy_speculates_with_an_oracle(tiny_target, prompts):
     model = tiny_target.model
     engine = CostModelEngine(model, proposer=OracleProposer(model, 4), tree="auto")
     params = SamplingParams(max_new_tokens=30, stop_at_eos=False)
     for _ in range(2):
-        (out,) = engine.generate([[5, 6, 7, 8]], params)
-    (plain,) = Engine(model).generate([[5, 6, 7, 8]], params)
-    assert out.token_ids == plain.token_ids
+        outs = engine.generate(prompts, params)
+    plain = Engine(model).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     steps = _arms_run(engine)
     assert sum(v for a, v in steps.items() if a is not None) > 3 * steps[None]
-    assert engine.policy.best(1) is not None and out.metrics.tau > 2
+    assert engine.policy.best(len(prompts)) is not None and all(o.metrics.tau > 2 for o in outs)
+
+
+class _OneRowOracle(OracleProposer):
+    """The target's own continuation for request 0, random tokens for the others."""
+
+    name = "one-row-oracle"
+
+    def __init__(self, model, depth):
+        super().__init__(model, depth)
+        self.random = RandomProposer(model.config.vocab_size)
+
+    def propose(self, st, tree=None):
+        return super().propose(st, tree) if st.rid == 0 else self.random.propose(st, parse_tree(f"chain{self.depth}"))
+
+
+def test_a_batch_is_credited_with_what_its_last_row_advanced(tiny_target):
+    # one row accepts every draft, the other none: the call still takes a step per token of the second
+    # row, so speculating only adds verification work, however many tokens the first row emits
+    model = tiny_target.model
+    engine = CostModelEngine(model, proposer=_OneRowOracle(model, 4), tree="auto")
+    params = SamplingParams(max_new_tokens=30, stop_at_eos=False)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    outs = [engine.generate(prompts, params) for _ in range(3)]
+    plain = Engine(model).generate(prompts, params)
+    assert all([o.token_ids for o in out] == [o.token_ids for o in plain] for out in outs)
+    stats = engine.policy.stats[2]
+    assert stats[None].steps > 0.85 * sum(s.steps for s in stats.values())
+    # the drafted steps were credited with two tokens, one per row as a plain step, not the six the rows emit
+    drafted = [s for a, s in stats.items() if a is not None and s.steps]
+    assert drafted and all(s.tokens_per_step() == pytest.approx(2.0) for s in drafted)
 
 
 class _AlwaysChain2(AutoTree):
