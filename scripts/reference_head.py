@@ -1,6 +1,7 @@
 """`make reference-head`: the shipped EAGLE-3 head for the embedded SmolLM2-135M-Instruct, in one command.
 
-    synthesize -> distill --features -> train-head fit -> extend -> export -> eval -> bench -> scaling -> package
+    synthesize -> distill --features -> train-head fit -> extend -> export -> eval -> bench -> package
+    -> blocks -> scaling
 
 Everything goes under runs/reference/ and the log to runs/reference/log.txt. Each stage runs the project's
 own command (printed and logged); a rerun skips finished stages and resumes the unfinished one (synthesize
@@ -12,7 +13,8 @@ curve's points all keep the first fit's epochs, so they compare data at equal ep
 plain batch-1 decode rate is measured first and written beside every stage time (machines differ ~3x).
 
 `package` writes the head in bf16 with its CARD.md to draftheads/data/heads/smollm2-135m-eagle3/, only
-when its chain-3 tau on the bundled eval beats the committed head's (or with --force).
+when its chain-3 tau on the bundled eval beats the committed head's (or with --force). The block drafters
+and the scaling curve, which the head does not depend on, come after it (`scaling/scaling.md` holds the curve).
 
     python scripts/reference_head.py [--synth-prompts 4300] [--redo STAGE,...|all] [--extend-epochs 2]
                                      [--scaling 0.125,0.25,0.5]
@@ -30,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-STAGES = ("synthesize", "distill", "train", "extend", "export", "eval", "bench", "scaling", "package", "blocks")
+STAGES = ("synthesize", "distill", "train", "extend", "export", "eval", "bench", "package", "blocks", "scaling")
 BLOCK_FAMILIES = ("dflash", "dspark")
 """Block drafters the ``blocks`` stage trains on the same feature cache and benches beside EAGLE-3."""
 SHIPPED = ROOT / "draftheads/data/heads/smollm2-135m-eagle3"
@@ -274,10 +276,10 @@ def main() -> int:
         dh, "bench", "--eagle3", str(head), "--tree", ",".join(dict.fromkeys(["auto", best])), "--only",
         "proposers,batch", "--max-new-tokens", str(args.eval_tokens), "--batches", "1,4,16", "--batch-repeats", "8",
         "--out", str(bench)]))
-    fractions = [float(f) for f in args.scaling.split(",") if f.strip()]
-    run.stage("scaling", outputs["scaling"], lambda: _scaling(run, root, fractions, trained, features, args))
     run.stage("package", outputs["package"], lambda: _package(run, root, head, features, evald, bench, args))
     run.stage("blocks", outputs["blocks"], lambda: _blocks(run, root, head, args))
+    fractions = [float(f) for f in args.scaling.split(",") if f.strip()]
+    run.stage("scaling", outputs["scaling"], lambda: _scaling(run, root, fractions, trained, features, args))
     run.say("reference-head: all stages done; stage times " + json.dumps(run.times))
     return 0
 
