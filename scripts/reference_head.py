@@ -8,8 +8,9 @@ own command (printed and logged); a rerun skips finished stages and resumes the 
 and distill after their last committed round or shard, training from its last checkpoint). A larger
 --synth-prompts than the finished data holds extends synthesize and distill (only the new prompts are
 written and answered) and redoes training and everything after it. `extend` trains the head on for
---extend-epochs more, from its weights with a fresh warmup and schedule (a warm restart); the scaling
-curve's points all keep the first fit's epochs, so they compare data at equal epochs. The machine's
+--extend-epochs more, from its weights with a fresh warmup and schedule (a warm restart). Each point of
+the scaling curve trains on a fraction of the data for as many steps as the first fit, so the curve
+compares data at equal compute. The machine's
 plain batch-1 decode rate is measured first and written beside every stage time (machines differ ~3x).
 
 `package` writes the head in bf16 with its CARD.md to draftheads/data/heads/smollm2-135m-eagle3/, only
@@ -132,13 +133,13 @@ def native_dtype() -> str:
 
 def train_config(run: Path, name: str, args, fraction: float = 1.0,
                  base: str = "configs/smollm2-eagle3-reference.yaml", epochs: int | None = None,
-                 init_head: Path | None = None) -> Path:
+                 init_head: Path | None = None, trainer: dict | None = None) -> Path:
     """``base`` (a reference config) with its paths under ``run/name``, ``epochs`` (default ``--epochs``),
-    ``--precision`` and, given ``init_head``, training on from that head."""
+    ``--precision``, ``trainer`` overrides and, given ``init_head``, training on from that head."""
     from draftheads.training.cli import config_under, save_config
 
     epochs = epochs or args.epochs
-    trainer = {"precision": args.precision, **({"max_epochs": epochs} if epochs else {})}
+    trainer = {"precision": args.precision, **({"max_epochs": epochs} if epochs else {}), **(trainer or {})}
     cfg = config_under(ROOT / base, run / name, run / "features", trainer=trainer,
                        model={"init_head": str(init_head)} if init_head else None,
                        data={"train_fraction": fraction} if fraction < 1 else None)
@@ -193,7 +194,8 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=None, help="override the config's max_epochs")
     p.add_argument("--extend-epochs", type=int, default=2,
                    help="epochs more, from the trained head with a fresh warmup and schedule; the extended head is "
-                        "the one exported, evaluated and packaged, while the scaling curve keeps --epochs (0 = none)")
+                        "the one exported, evaluated and packaged, while the scaling curve compares data at the first fit's "
+                        "steps (0 = none)")
     p.add_argument("--precision", default="auto",
                    help="training precision (Lightning's); auto: bf16-mixed where bf16 is native (1.6-2x faster "
                         "EAGLE-3 steps than 32 on a CPU with AVX512-BF16), else 32")
@@ -316,16 +318,42 @@ def _best_tree(evald: Path) -> str:
     return max(modes, key=lambda m: modes[m]["overall"]["speedup"])
 
 
+def base_epochs(args) -> int:
+    """Epochs of the first fit: ``--epochs``, else the reference config's."""
+    import yaml
+
+    return args.epochs or yaml.safe_load((ROOT / "configs/smollm2-eagle3-reference.yaml").read_text())["trainer"]["max_epochs"]
+
+
+def scaling_schedule(args, fraction: float) -> dict:
+    """Trainer settings of a scaling point: as many optimizer steps as the first fit (1 / ``fraction`` times
+    its epochs, so a smaller subset is seen more often), validated as often as the first fit in all."""
+    epochs = base_epochs(args)
+    times = max(1, round(1 / fraction))
+    return {"max_epochs": epochs * times, "val_check_interval": 1.0 if times > 1 else 0.5,
+            "check_val_every_n_epoch": max(1, times // 2)}
+
+
 def _scaling(run: Run, root: Path, fractions: list[float], head: Path, features: Path, args) -> None:
-    """Validation accuracy per TTT step and chain-3 tau against training tokens."""
+    """Validation accuracy per TTT step and chain-3 tau against training tokens, each point trained for
+    the first fit's number of steps: the curve compares data at equal compute (the first fit's own
+    validations, at a half, one and one and a half epochs, compare steps at equal data)."""
+    import yaml
+
     dh = str(BIN / "draftheads")
     train_answer_tokens = feature_tokens(features)["train"]["answer_tokens"]
     points = []
     for f in sorted(fractions) + [1.0]:
         name = "main" if f == 1.0 else f"scaling/f{f:g}"
         h = head if f == 1.0 else root / name / "head"
+        schedule = scaling_schedule(args, f) if f < 1.0 else {}
+        cfg = root / name / "train.yaml"
+        if schedule and cfg.exists() and yaml.safe_load(cfg.read_text())["trainer"].get("max_epochs") != schedule["max_epochs"]:
+            run.say(f"scaling {f:g}: {name} was trained on another schedule; training it again")
+            shutil.rmtree(root / name)
         if not h.exists():
-            fit(run, f"scaling {f:g}", train_config(root, name, args, f))
+            fit(run, f"scaling {f:g}", train_config(root, name, args, f, epochs=schedule.get("max_epochs"),
+                                                    trainer=schedule))
         ev = root / name / "eval-chain3"
         if not (ev / "results.json").exists():
             run.cmd(f"scaling eval {f:g}", [
@@ -335,6 +363,7 @@ def _scaling(run: Run, root: Path, fractions: list[float], head: Path, features:
         meta = json.loads((h / "config.json").read_text())
         res = json.loads((ev / "results.json").read_text())["modes"]["chain3"]["overall"]
         points.append({"fraction": f, "answer_tokens": int(round(f * train_answer_tokens)),
+                       "epochs": schedule.get("max_epochs", base_epochs(args)),
                        "val_acc": meta.get("val_accuracies"), "val_sim_tau": meta.get("val_sim_tau"),
                        "val_window": meta.get("val_answer_window"), "val_window_acc": meta.get("val_window_accuracies"),
                        "val_window_sim_tau": meta.get("val_window_sim_tau"),
@@ -351,17 +380,18 @@ def scaling_table(points: list[dict], args) -> str:
     window = next((p["val_window"] for p in points if p.get("val_window")), None)
     lines = [f"chain-3 τ on the bundled eval ({args.scaling_eval_per_domain} prompts per domain, "
              f"{args.eval_tokens} new tokens, T = 0); validation top-1 per TTT step over whole answers"
-             + (f", and step 1 and simulated τ over each answer's first {window} tokens" if window else ""), "",
-             "| train answer tokens | " + " | ".join(f"val acc@{j + 1}" for j in range(k)) + " | sim τ (val) | "
+             + (f", and step 1 and simulated τ over each answer's first {window} tokens" if window else "")
+             + "; every subset trained for as many steps as the full set (more epochs)", "",
+             "| train answer tokens | epochs | " + " | ".join(f"val acc@{j + 1}" for j in range(k)) + " | sim τ (val) | "
              + (f"val acc@1 (first {window}) | sim τ (first {window}) | " if window else "")
-             + "τ chain 3 | speedup chain 3 |", "|---" * (k + 4 + 2 * bool(window)) + "|"]
+             + "τ chain 3 | speedup chain 3 |", "|---" * (k + 5 + 2 * bool(window)) + "|"]
     for p in points:
         acc = " | ".join(f"{a:.3f}" for a in p["val_acc"] or [])
         win = ""
         if window:
             w = p.get("val_window_acc")
             win = f"{w[0]:.3f} | {p['val_window_sim_tau']:.2f} | " if w else "– | – | "
-        lines.append(f"| {p['answer_tokens']:,} | {acc} | {p['val_sim_tau'] or 0:.2f} | {win}"
+        lines.append(f"| {p['answer_tokens']:,} | {p.get('epochs', '–')} | {acc} | {p['val_sim_tau'] or 0:.2f} | {win}"
                      f"{p['tau_chain3']:.2f} | {p['speedup_chain3']:.2f}x |")
     return "\n".join(lines) + "\n"
 

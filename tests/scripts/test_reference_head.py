@@ -12,8 +12,8 @@ def _script():
     return mod
 
 
-def _point(tokens, acc, window=None):
-    p = {"answer_tokens": tokens, "val_acc": acc, "val_sim_tau": 1.5, "tau_chain3": 1.4, "speedup_chain3": 0.9}
+def _point(tokens, acc, window=None, epochs=2):
+    p = {"answer_tokens": tokens, "epochs": epochs, "val_acc": acc, "val_sim_tau": 1.5, "tau_chain3": 1.4, "speedup_chain3": 0.9}
     if window:
         p.update(val_window=128, val_window_acc=window, val_window_sim_tau=1.3)
     return p
@@ -21,12 +21,22 @@ def _point(tokens, acc, window=None):
 
 def test_scaling_table_shows_first_tokens_accuracy_where_a_head_has_it():
     args = Namespace(scaling_eval_per_domain=3, eval_tokens=128)
-    table = _script().scaling_table([_point(1000, [0.5, 0.4], [0.42, 0.3]), _point(8000, [0.6, 0.5])], args)
+    table = _script().scaling_table([_point(1000, [0.5, 0.4], [0.42, 0.3], epochs=16), _point(8000, [0.6, 0.5])], args)
     lines = table.splitlines()
     assert "first 128" in lines[0] and "val acc@1 (first 128)" in lines[2]
     cols = {len(line.split("|")) for line in lines[2:]}
     assert len(cols) == 1  # header, rule and rows line up
-    assert "| 1,000 | 0.500 | 0.400 | 1.50 | 0.420 | 1.30 | 1.40 | 0.90x |" in table
-    assert "| 8,000 | 0.600 | 0.500 | 1.50 | – | – | 1.40 | 0.90x |" in table
+    assert "| 1,000 | 16 | 0.500 | 0.400 | 1.50 | 0.420 | 1.30 | 1.40 | 0.90x |" in table
+    assert "| 8,000 | 2 | 0.600 | 0.500 | 1.50 | – | – | 1.40 | 0.90x |" in table
     plain = _script().scaling_table([_point(8000, [0.6, 0.5])], args)
     assert "first" not in plain
+
+
+def test_a_scaling_point_trains_as_many_steps_as_the_full_set():
+    args = Namespace(epochs=2)
+    mod = _script()
+    for fraction, epochs, every in [(0.5, 4, 1), (0.25, 8, 2), (0.125, 16, 4)]:
+        s = mod.scaling_schedule(args, fraction)
+        assert s["max_epochs"] * fraction == 2  # epochs x data = the full set's 2 epochs
+        assert (s["max_epochs"], s["check_val_every_n_epoch"], s["val_check_interval"]) == (epochs, every, 1.0)
+        assert s["max_epochs"] // s["check_val_every_n_epoch"] == 4  # validated 4 times, as the full set
