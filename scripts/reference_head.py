@@ -7,8 +7,9 @@ Everything goes under runs/reference/ and the log to runs/reference/log.txt. Eac
 own command (printed and logged); a rerun skips finished stages and resumes the unfinished one (synthesize
 and distill after their last committed round or shard, training from its last checkpoint). A larger
 --synth-prompts than the finished data holds extends synthesize and distill (only the new prompts are
-written and answered) and redoes training and everything after it. `extend` trains the head on for
---extend-epochs more, from its weights with a fresh warmup and schedule (a warm restart). Each point of
+written and answered) and redoes training and everything after it. `extend` trains the head on in rounds
+(--extend-epochs, e.g. 2,4: 2 epochs more, then 4 more), each from the previous round's head with a fresh
+warmup and schedule (a warm restart); adding a round keeps the finished ones. Each point of
 the scaling curve trains on a fraction of the data for as many steps as the first fit, so the curve
 compares data at equal compute. The machine's
 plain batch-1 decode rate is measured first and written beside every stage time (machines differ ~3x).
@@ -17,7 +18,7 @@ plain batch-1 decode rate is measured first and written beside every stage time 
 when its chain-3 tau on the bundled eval beats the committed head's (or with --force). The block drafters
 and the scaling curve, which the head does not depend on, come after it (`scaling/scaling.md` holds the curve).
 
-    python scripts/reference_head.py [--synth-prompts 4300] [--redo STAGE,...|all] [--extend-epochs 2]
+    python scripts/reference_head.py [--synth-prompts 4300] [--redo STAGE,...|all] [--extend-epochs 2[,4...]]
                                      [--scaling 0.125,0.25,0.5]
 """
 
@@ -85,17 +86,19 @@ class Run:
         self.times.get("running", {}).pop(name, None)
         self.times_file.write_text(json.dumps(self.times, indent=2))
 
-    def stage(self, name: str, done: Path, fn, finished: bool = True) -> None:
-        """Run ``fn`` unless ``done`` exists (and ``finished``: the output is not one to be grown)."""
+    def stage(self, name: str, done: Path, fn, finished: bool = True, grown: bool = False) -> None:
+        """Run ``fn`` unless ``done`` exists (and ``finished``: the output is not one to be grown); ``grown``:
+        part of the stage's output was made before (its recorded time counts)."""
         if done.exists() and finished:
             self.say(f"=== {name}: reusing {done.relative_to(ROOT)} (--redo {name} to run it again)")
             return
         # an interrupted run's time counts, and so does the first making of an output that is now grown
+        grown = grown or done.exists()
         self._stage = name
-        self._prior = self.times.get("running", {}).get(name) or (self.times.get(name, 0.0) if done.exists() else 0.0)
+        self._prior = self.times.get("running", {}).get(name) or (self.times.get(name, 0.0) if grown else 0.0)
         self._t0 = self._last_tick = time.perf_counter()
         if self._prior:
-            how = "growing its output" if done.exists() else "resuming"
+            how = "growing its output" if grown else "resuming"
             self.say(f"=== {name}: {how}; {self._prior:.0f} s of earlier runs count towards it")
         fn()
         self.times[name] = round(self._prior + time.perf_counter() - self._t0, 1)
@@ -192,10 +195,10 @@ def main() -> int:
                    help="synthesize and distill dtype; auto: bfloat16 where the CPU or GPU computes it natively "
                         "(2-3x faster than float32 on a CPU with AVX512-BF16), else float32")
     p.add_argument("--epochs", type=int, default=None, help="override the config's max_epochs")
-    p.add_argument("--extend-epochs", type=int, default=2,
-                   help="epochs more, from the trained head with a fresh warmup and schedule; the extended head is "
-                        "the one exported, evaluated and packaged, while the scaling curve compares data at the first fit's "
-                        "steps (0 = none)")
+    p.add_argument("--extend-epochs", default="2",
+                   help="rounds of epochs more (e.g. 2,4), each from the previous round's head with a fresh warmup and "
+                        "schedule; the last round's head is the one exported, evaluated and packaged, while the scaling "
+                        "curve compares data at the first fit's steps (0 = none)")
     p.add_argument("--precision", default="auto",
                    help="training precision (Lightning's); auto: bf16-mixed where bf16 is native (1.6-2x faster "
                         "EAGLE-3 steps than 32 on a CPU with AVX512-BF16), else 32")
@@ -219,11 +222,21 @@ def main() -> int:
     run = Run(root)
     dh = str(BIN / "draftheads")
     synth, data, features = root / "data/synth.jsonl", root / "data/train.jsonl", root / "features"
-    trained, extended = root / "main/head", root / "extended/head"
+    rounds = extend_rounds(args.extend_epochs)
+    trained, extended = root / "main/head", [root / round_dir(i) / "head" for i in range(len(rounds))]
     export, evald, bench = root / "export", root / "eval", root / "bench"
-    head = extended if args.extend_epochs else trained
+    head = extended[-1] if rounds else trained
+    rounds_made = made_rounds(root)  # every round there, of these rounds or of earlier ones
+    stale = next((i for i, d in enumerate(rounds_made) if i < len(rounds) and round_epochs(d) != rounds[i]), None)
+    if stale is not None:  # a round trained for other epochs: it and the rounds after it are made again
+        d = rounds_made[stale]
+        run.say(f"extend: round {stale + 1} ({d.name}) was trained for {round_epochs(d)} epochs, not "
+                f"{rounds[stale]}: it and the rounds after it are made again")
+        for d in rounds_made[stale:]:
+            shutil.rmtree(d)
+        rounds_made = rounds_made[:stale]
     scaling = root / "scaling"
-    outputs = {"synthesize": synth, "distill": data, "train": trained, "extend": extended,
+    outputs = {"synthesize": synth, "distill": data, "train": trained, "extend": head,
                "export": export, "eval": evald / "results.json",
                "bench": bench / "results.json", "scaling": scaling / "scaling.json", "package": root / "packaged.json",
                "blocks": root / "blocks/results.json"}
@@ -232,11 +245,11 @@ def main() -> int:
         redo.add("train")  # the data grows in place: the head and everything after it are made again
     for s in STAGES[min((STAGES.index(s) for s in redo), default=len(STAGES)):]:
         redo.add(s)  # a redone stage invalidates the ones after it
-    if args.extend_epochs and not extended.exists():
-        redo |= {"export", "eval", "bench", "package"}  # they were made from the head before it was extended
+    if rounds and not head.exists():
+        redo |= {"export", "eval", "bench", "package"}  # they were made from the head before its last round
     blocks = [root / f for f in BLOCK_FAMILIES] + [root / "blocks"]
-    also_made = {"distill": [features, root / "main", root / "extended", *blocks], "train": [root / "main", root / "extended"],
-                 "extend": [root / "extended"], "blocks": blocks}  # what else a stage wrote (checkpoints, logs)
+    also_made = {"distill": [features, root / "main", *rounds_made, *blocks], "train": [root / "main", *rounds_made],
+                 "extend": rounds_made, "blocks": blocks}  # what else a stage wrote (checkpoints, logs)
     for s in redo:
         run.forget(s)
         for target in [outputs[s], *also_made.get(s, [])]:
@@ -264,9 +277,8 @@ def main() -> int:
         "--feature-dir", str(features), "--val-fraction", "0.03", "--out", str(data), "--extend"]),
         finished=data.exists() and distilled_all(data, synth))
     run.stage("train", trained, lambda: fit(run, "train", train_config(root, "main", args)))
-    if args.extend_epochs:
-        run.stage("extend", head, lambda: fit(run, "extend", train_config(
-            root, "extended", args, epochs=args.extend_epochs, init_head=trained)))
+    if rounds:
+        run.stage("extend", head, lambda: _extend(run, root, rounds, trained, args), grown=extended[0].exists())
     run.stage("export", export, lambda: run.cmd("export", [
         dh, "export", "--head", str(head), "--format", "vllm-eagle3", "--out", str(export), "--verifier",
         "smollm2-135m"]))
@@ -284,6 +296,46 @@ def main() -> int:
     run.stage("scaling", outputs["scaling"], lambda: _scaling(run, root, fractions, trained, features, args))
     run.say("reference-head: all stages done; stage times " + json.dumps(run.times))
     return 0
+
+
+def extend_rounds(spec: str) -> list[int]:
+    """``--extend-epochs`` as epochs per round: "2,4" -> [2, 4]; "0" or "" -> no round."""
+    rounds = [int(x) for x in str(spec).split(",") if x.strip()]
+    if any(r < 0 for r in rounds) or (0 in rounds and rounds != [0]):
+        sys.exit(f"reference-head: --extend-epochs {spec}: give epochs per round, each >= 1 (e.g. 2,4), or 0 for none")
+    return [] if rounds == [0] else rounds
+
+
+def round_dir(i: int) -> str:
+    """The run directory of extension round ``i`` (0-based): extended, extended2, extended3, ..."""
+    return "extended" if i == 0 else f"extended{i + 1}"
+
+
+def made_rounds(root: Path) -> list[Path]:
+    """The extension rounds' directories under ``root``, in order (round 1, 2, ... while they follow on)."""
+    out = []
+    while (root / round_dir(len(out))).is_dir():
+        out.append(root / round_dir(len(out)))
+    return out
+
+
+def round_epochs(path: Path) -> int | None:
+    """The epochs a round directory was trained for (its train.yaml), None if it has none."""
+    import yaml
+
+    cfg = path / "train.yaml"
+    return yaml.safe_load(cfg.read_text())["trainer"].get("max_epochs") if cfg.is_file() else None
+
+
+def _extend(run: Run, root: Path, rounds: list[int], trained: Path, args) -> None:
+    """Each round trains on from the previous round's head (the first from the trained one)."""
+    start = trained
+    for i, epochs in enumerate(rounds):
+        out = root / round_dir(i)
+        if not (out / "head").exists():
+            fit(run, "extend" if i == 0 else f"extend round {i + 1}",
+                train_config(root, round_dir(i), args, epochs=epochs, init_head=start))
+        start = out / "head"
 
 
 def _blocks(run: Run, root: Path, head: Path, args) -> None:

@@ -40,3 +40,20 @@ def test_a_scaling_point_trains_as_many_steps_as_the_full_set():
         assert s["max_epochs"] * fraction == 2  # epochs x data = the full set's 2 epochs
         assert (s["max_epochs"], s["check_val_every_n_epoch"], s["val_check_interval"]) == (epochs, every, 1.0)
         assert s["max_epochs"] // s["check_val_every_n_epoch"] == 4  # validated 4 times, as the full set
+
+
+def test_extension_rounds_follow_on_from_each_other(tmp_path):
+    import pytest
+    import yaml
+
+    mod = _script()
+    assert mod.extend_rounds("2,4") == [2, 4] and mod.extend_rounds("2") == [2] and mod.extend_rounds("0") == []
+    with pytest.raises(SystemExit, match="each >= 1"):
+        mod.extend_rounds("2,0")
+    assert [mod.round_dir(i) for i in range(3)] == ["extended", "extended2", "extended3"]
+    for name, epochs in [("extended", 2), ("extended3", 4), ("extended.old", 1)]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.yaml").write_text(yaml.safe_dump({"trainer": {"max_epochs": epochs}}))
+    # round 3 does not follow on without a round 2, and a copy set aside is no round
+    assert mod.made_rounds(tmp_path) == [tmp_path / "extended"]
+    assert mod.round_epochs(tmp_path / "extended") == 2 and mod.round_epochs(tmp_path / "none") is None
