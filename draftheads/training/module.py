@@ -131,6 +131,8 @@ class DraftHeadModule(L.LightningModule):
                                   f"{self.head_type} heads: start from a {self.head_type} head, or train it with "
                                   "its own family's module")
         log.warning("starting from the %s head in %s", meta["head_type"], path)
+        if meta.get("draft_vocab_coverage"):  # it keeps that head's draft vocabulary, built from its data
+            self.draft_vocab_coverage = meta["draft_vocab_coverage"]
         return head.float().to(self._rank_device()).train()
 
     def _rank_device(self) -> torch.device:

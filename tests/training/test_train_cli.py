@@ -140,6 +140,10 @@ def test_init_head_goes_on_from_a_trained_head(workdir):
     assert main(["fit", "--config", str(cfg)]) == 0
     more = _weights(workdir, "init-more")
     assert more.keys() == trained.keys() and torch.equal(more["d2t"], trained["d2t"])
+    # the vocabulary's coverage, measured when the first head built it, is carried over with it
+    src_meta = json.loads((src / "config.json").read_text())
+    more_meta = json.loads((workdir / "init-more" / "head" / "config.json").read_text())
+    assert src_meta["draft_vocab_coverage"] and more_meta["draft_vocab_coverage"] == src_meta["draft_vocab_coverage"]
     assert not torch.equal(more["fc.weight"], trained["fc.weight"])
 
 
