@@ -227,10 +227,10 @@ def main() -> int:
     export, evald, bench = root / "export", root / "eval", root / "bench"
     head = extended[-1] if rounds else trained
     rounds_made = made_rounds(root)  # every round there, of these rounds or of earlier ones
-    stale = next((i for i, d in enumerate(rounds_made) if i < len(rounds) and round_epochs(d) != rounds[i]), None)
+    stale = next((i for i, d in enumerate(rounds_made) if i < len(rounds) and trained_epochs(d) != rounds[i]), None)
     if stale is not None:  # a round trained for other epochs: it and the rounds after it are made again
         d = rounds_made[stale]
-        run.say(f"extend: round {stale + 1} ({d.name}) was trained for {round_epochs(d)} epochs, not "
+        run.say(f"extend: round {stale + 1} ({d.name}) was trained for {trained_epochs(d)} epochs, not "
                 f"{rounds[stale]}: it and the rounds after it are made again")
         for d in rounds_made[stale:]:
             shutil.rmtree(d)
@@ -319,8 +319,8 @@ def made_rounds(root: Path) -> list[Path]:
     return out
 
 
-def round_epochs(path: Path) -> int | None:
-    """The epochs a round directory was trained for (its train.yaml), None if it has none."""
+def trained_epochs(path: Path) -> int | None:
+    """The epochs a run directory (a round, a scaling point) was trained for (its train.yaml), None if it has none."""
     import yaml
 
     cfg = path / "train.yaml"
@@ -390,8 +390,6 @@ def _scaling(run: Run, root: Path, fractions: list[float], head: Path, features:
     """Validation accuracy per TTT step and chain-3 tau against training tokens, each point trained for
     the first fit's number of steps: the curve compares data at equal compute (the first fit's own
     validations, at a half, one and one and a half epochs, compare steps at equal data)."""
-    import yaml
-
     dh = str(BIN / "draftheads")
     train_answer_tokens = feature_tokens(features)["train"]["answer_tokens"]
     points = []
@@ -399,13 +397,11 @@ def _scaling(run: Run, root: Path, fractions: list[float], head: Path, features:
         name = "main" if f == 1.0 else f"scaling/f{f:g}"
         h = head if f == 1.0 else root / name / "head"
         schedule = scaling_schedule(args, f) if f < 1.0 else {}
-        cfg = root / name / "train.yaml"
-        if schedule and cfg.exists() and yaml.safe_load(cfg.read_text())["trainer"].get("max_epochs") != schedule["max_epochs"]:
+        if schedule and trained_epochs(root / name) not in (None, schedule["max_epochs"]):
             run.say(f"scaling {f:g}: {name} was trained on another schedule; training it again")
             shutil.rmtree(root / name)
         if not h.exists():
-            fit(run, f"scaling {f:g}", train_config(root, name, args, f, epochs=schedule.get("max_epochs"),
-                                                    trainer=schedule))
+            fit(run, f"scaling {f:g}", train_config(root, name, args, f, trainer=schedule))
         ev = root / name / "eval-chain3"
         if not (ev / "results.json").exists():
             run.cmd(f"scaling eval {f:g}", [

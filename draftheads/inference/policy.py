@@ -8,8 +8,8 @@ The algorithm, per engine and across its ``generate`` calls:
   (every request switched off) is a plain step -- with its wall time, draft work included, and the
   tokens it moved the batch on by: the batch size times how much the most tokens any row still has to
   write went down. A batch's call ends with its last row, so a drafter accepted in one row and not in
-  another saves no step, however many tokens the first row emits. An arm's first step in a bucket runs its kernel shapes cold, so its tokens count but
-  its time does not. Token counts decay by ``decay`` per step of that bucket, chosen or not (a window
+  another saves no step, however many tokens the first row emits. An arm's first step in a bucket runs
+  its kernel shapes cold, so its tokens count but its time does not. Token counts decay by ``decay`` per step of that bucket, chosen or not (a window
   of about ``1 / (1 - decay)`` steps), so old measurements fade.
 * **Choice**: the arm with the best rate: decayed mean tokens per step over its step time.
   - The mean starts from ``prior_steps`` pseudo-steps at plain decoding's tokens per step (nothing

@@ -454,9 +454,10 @@ def eagle3_loss(
     masks = [future_mask(loss_mask, doc_ids, 2 + j) for j in range(len(step_outs))]
     wants = [shift_left(target_argmax_draft, 1 + j, fill=-1) for j in range(len(step_outs))]
     scored = [m & (want >= 0) for m, want in zip(masks, wants)]
+    chunk = kw.get("chunk_size", DEFAULT_CHUNK)
     slot = _teacher_slots(scored, teacher_w.shape[0]) if not _use_liger(features, kw.get("impl", "auto")) else None
     if slot is not None:  # [B, T]: the row of the teacher's log-probs table each position reads, -1 if none
-        table = teacher_log_probs(features[slot >= 0].detach(), teacher_w.detach(), kw.get("chunk_size", DEFAULT_CHUNK))
+        table = teacher_log_probs(features[slot >= 0].detach(), teacher_w.detach(), chunk)
     for j, (out, m, want, in_vocab) in enumerate(zip(step_outs, masks, wants, scored)):
         if not in_vocab.any():
             accs.append(0.0 if m.any() else float("nan"))
@@ -468,7 +469,7 @@ def eagle3_loss(
                                 return_argmax=True, **kw)
         else:
             kl, got = linear_kl_to(out[in_vocab], student_w, table, shift_left(slot, 1 + j, fill=-1)[in_vocab],
-                                   chunk_size=kw.get("chunk_size", DEFAULT_CHUNK), return_argmax=True)
+                                   chunk_size=chunk, return_argmax=True)
         # a target token outside the draft vocabulary is a miss: hits over every scored position
         accs.append(((got == want[in_vocab]).sum() / m.sum()).item())
         total = total + (decay**j) * kl

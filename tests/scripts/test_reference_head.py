@@ -56,4 +56,4 @@ def test_extension_rounds_follow_on_from_each_other(tmp_path):
         (tmp_path / name / "train.yaml").write_text(yaml.safe_dump({"trainer": {"max_epochs": epochs}}))
     # round 3 does not follow on without a round 2, and a copy set aside is no round
     assert mod.made_rounds(tmp_path) == [tmp_path / "extended"]
-    assert mod.round_epochs(tmp_path / "extended") == 2 and mod.round_epochs(tmp_path / "none") is None
+    assert mod.trained_epochs(tmp_path / "extended") == 2 and mod.trained_epochs(tmp_path / "none") is None
