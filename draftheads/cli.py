@@ -239,9 +239,9 @@ def profile(target: TargetOptions, ks: Annotated[tuple[int, ...], Flag(sep=",", 
 
     model = target.load()
     curve = verify_curve(model.model, list(ks), prefix=prefix, repeats=repeats, batch=batch)
-    path = save_profile(target.target, str(model.model.device), curve, prefix)
+    path = save_profile(model.info.name, model.model, curve, prefix)
     base = curve[min(curve)]
-    print(f"verify cost, {target.target}, prefix {prefix}, batch {batch} (median of {repeats})")
+    print(f"verify cost, {target.target} in {target.dtype}, prefix {prefix}, batch {batch} (median of {repeats})")
     print("| K query tokens | ms | x K=1 |")
     print("|---|---|---|")
     for k, ms in curve.items():
@@ -366,7 +366,7 @@ def bench(out: str, target: TargetOptions, command_line: CommandLine,
           repeats: Positive = 5, datagen_batch: Positive = 64, lm_head_check: bool = False,
           only: Annotated[tuple[str, ...] | None, Flag(sep=",", choices="draftheads.bench.speed:PARTS")] = None,
           ) -> int:
-    """Verify curve, proposer speeds, batch sweep and loss memory, side by side.
+    """Verify curve, proposer speeds, batch sweep, loss memory and the engine's best case, side by side.
 
     Each head given is timed in every --tree mode and as a chain of 3 (vLLM's serving mode).
 
@@ -399,7 +399,7 @@ def bench(out: str, target: TargetOptions, command_line: CommandLine,
     check_writable_dir(out)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     res = {"command": command_line, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": evaluation.machine(),
-           "target": target.target}
+           "target": target.target, "dtype": target.dtype}
     model = None
     if set(parts) - {"memory"}:
         model = target.load()
@@ -431,6 +431,8 @@ def bench(out: str, target: TargetOptions, command_line: CommandLine,
     if "batch" in parts:
         res["batch_sweep"] = speed.batch_sweep(model, proposers, rows, batch_tokens, list(batches),
                                                repeats=batch_repeats, progress=say)
+    if "ceiling" in parts:
+        res["ceiling"] = speed.ceiling(model, rows, max_new_tokens, progress=say)
     if "datagen" in parts:
         gen_prompts = [encode_chat(tok, [{"role": "user", "content": p.turns[0]}], name=target.target)
                        for p in load_prompts("bundled:train")][: 2 * datagen_batch]

@@ -192,7 +192,8 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=384, help="answer length when distilling")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--dtype", default="auto",
-                   help="synthesize and distill dtype; auto: bfloat16 where the CPU or GPU computes it natively "
+                   help="synthesize, distill and bench dtype (eval stays float32, where greedy output must equal "
+                        "plain decoding's token for token); auto: bfloat16 where the CPU or GPU computes it natively "
                         "(2-3x faster than float32 on a CPU with AVX512-BF16), else float32")
     p.add_argument("--epochs", type=int, default=None, help="override the config's max_epochs")
     p.add_argument("--extend-epochs", default="2",
@@ -262,7 +263,7 @@ def main() -> int:
         run.times["plain_tok_s"] = round(plain_decode_rate(), 2)
         run.times_file.write_text(json.dumps(run.times, indent=2))
     run.say(f"machine: plain decode {run.times['plain_tok_s']:.1f} tok/s at batch 1 (fp32, engine)")
-    run.say(f"synthesize and distill in {args.dtype}; train in precision {args.precision}")
+    run.say(f"synthesize, distill and bench in {args.dtype}; train in precision {args.precision}; eval in float32")
 
     if grow:
         run.say(f"synthesize: {synth.relative_to(ROOT)} holds {synthesized(synth)} prompts, fewer than "
@@ -289,7 +290,7 @@ def main() -> int:
     run.stage("bench", bench / "results.json", lambda: run.cmd("bench", [
         dh, "bench", "--eagle3", str(head), "--tree", ",".join(dict.fromkeys(["auto", best])), "--only",
         "proposers,batch", "--max-new-tokens", str(args.eval_tokens), "--batches", "1,4,16", "--batch-repeats", "8",
-        "--out", str(bench)]))
+        "--dtype", args.dtype, "--out", str(bench)]))
     run.stage("package", outputs["package"], lambda: _package(run, root, head, features, evald, bench, args))
     run.stage("blocks", outputs["blocks"], lambda: _blocks(run, root, head, args))
     fractions = [float(f) for f in args.scaling.split(",") if f.strip()]
@@ -357,7 +358,8 @@ def _blocks(run: Run, root: Path, head: Path, args) -> None:
                 "--out", str(ev)])
     run.cmd("blocks bench", [dh, "bench", *[a for fam, h in heads.items() for a in (f"--{fam}", str(h))],
                              "--only", "proposers,batch", "--max-new-tokens", str(args.eval_tokens),
-                             "--batches", "1,4,16", "--batch-repeats", "8", "--out", str(root / "blocks" / "bench")])
+                             "--batches", "1,4,16", "--batch-repeats", "8", "--dtype", args.dtype,
+                             "--out", str(root / "blocks" / "bench")])
     table = {fam: json.loads((root / "blocks" / f"eval-{fam}" / "results.json").read_text())["modes"]
              for fam in heads}
     (root / "blocks" / "results.json").write_text(json.dumps(
@@ -505,7 +507,7 @@ def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, benc
         "eval_command": res["command"],
     }
     bench_res = json.loads((bench / "results.json").read_text())
-    card["bench"] = {"command": bench_res["command"], "proposers": bench_res["proposers"]}
+    card["bench"] = {"command": bench_res["command"], "dtype": bench_res.get("dtype"), "proposers": bench_res["proposers"]}
     scaling = root / "scaling/scaling.md"
     tmp = root / "package"
     if tmp.exists():
@@ -543,7 +545,8 @@ def card_markdown(card: dict, eval_md: str, bench_md: str, scaling_md: str) -> s
         f"{val['draft_vocab_size']} tokens covering {100 * (cov.get('train') or 0):.1f}% of train and "
         f"{100 * (cov.get('val') or 0):.1f}% of validation targets", "",
         "## Eval (bundled eval prompts, T = 0, batch 1; mode per row)", "", eval_md.strip(), "",
-        "## Bench (side by side in one run)", "", bench_md.strip(), "",
+        f"## Bench (side by side in one run, target and head in {card['bench'].get('dtype') or 'float32'})", "",
+        bench_md.strip(), "",
     ]
     if scaling_md:
         lines += ["## Data scaling", "", scaling_md.strip(), ""]

@@ -49,6 +49,7 @@ def test_bench_parts_on_tiny_target(tiny_llama_dir, tmp_path, capsys):
     assert {"plain", "hf_generate", "hf_prompt_lookup", "ngram (auto)"} <= set(res["proposers"])
     assert res["proposers"]["plain"]["ratio_vs_plain"] == 1.0
     assert set(res["batch_sweep"]["ngram (auto)"]) == {"1", "2"}
+    assert res["dtype"] == "float32" and "threads, float32)" in (out / "results.md").read_text()
     assert (out / "verify_curve.png").is_file() and (out / "batch_sweep.png").is_file()
 
 
@@ -63,6 +64,23 @@ def test_bench_times_each_head_in_every_mode_and_chain3(tiny_llama_dir, tiny_tar
                  "--prompts", str(prompts), "--only", "proposers", "--max-new-tokens", "4", "--out", str(out)]) == 0
     got = json.loads((out / "results.json").read_text())["proposers"]
     assert {"eagle3 (auto)", "eagle3 (small)", "eagle3 (chain3)"} <= set(got) and got["eagle3 (small)"]["steps"] > 0
+
+
+def test_bench_ceiling_part(tiny_llama_dir, tmp_path):
+    """A free drafter accepted with p = 0.8: τ near its expectation, and the step cost is what the speedup
+    leaves of the tokens per forward."""
+    out = tmp_path / "bench"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "domain": "chat", "turns": ["Say hi to the fox."]}) + "\n")
+    assert main(["bench", "--target", str(tiny_llama_dir), "--prompts", str(prompts), "--only", "ceiling",
+                 "--max-new-tokens", "40", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())["ceiling"]
+    assert res["p"] == 0.8 and set(res) == {"p", "chain3", "chain5"}
+    expected = {3: 1 + 0.8 + 0.8**2 + 0.8**3, 5: sum(0.8**i for i in range(6))}  # 2.95, 3.69
+    for k, want in expected.items():
+        v = res[f"chain{k}"]
+        assert abs(v["tau"] - want) < 1.0 and v["speedup"] > 0 and v["step_cost"] > 0, v
+    assert "| chain5 |" in (out / "results.md").read_text()
 
 
 def test_loss_memory_measurement_sees_the_logits():

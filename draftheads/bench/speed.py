@@ -5,7 +5,9 @@ Parts (``--only``): ``verify`` (forward time for K = 1 .. 64 query tokens and th
 the given heads, on the same prompts), ``batch`` (speedup of each proposer vs plain decoding at batch
 1 .. 16), ``memory`` (the loss memory table), ``datagen`` (data-generation throughput: batch-1 plain
 decoding vs a static batch vs continuous batching, with and without feature capture, on real answers
-that end at different lengths). Except in ``datagen``, every timed configuration generates exactly
+that end at different lengths), ``ceiling`` (the engine's best case: a drafter that costs nothing, accepted
+with a fixed probability per position, against plain decoding). Except in ``datagen``, every timed
+configuration generates exactly
 ``max_new_tokens`` tokens per prompt (no early stop), alternating between methods per prompt.
 """
 
@@ -19,7 +21,7 @@ from draftheads.inference.engine import Engine
 from draftheads.inference.sampling import SamplingParams
 from draftheads.inference.timing import Run, generation_run, interleaved, tokens_per_forward, warm_up
 
-PARTS = ("verify", "proposers", "batch", "memory", "datagen")
+PARTS = ("verify", "proposers", "batch", "memory", "datagen", "ceiling")
 
 
 def memory_bound_check(model, curve: dict[int, float]) -> dict:
@@ -76,6 +78,32 @@ def proposer_speeds(target, proposers: dict, prompts: list[list[int]], n: int, p
             agg = t.metrics(m)
             out[m].update(tau=agg.tau, alpha=agg.alpha, tokens_per_forward=tokens_per_forward(agg),
                           drafted_steps=agg.drafts, steps=agg.target_forwards)
+    return out
+
+
+def ceiling(target, prompts: list[list[int]], n: int, chains=(3, 5), p: float = 0.8, progress=print) -> dict:
+    """Plain decoding against chains of each length in ``chains`` drafted for free (random tokens) and
+    accepted with probability ``p`` per position whatever they are (the synthetic verifier), at batch 1
+    on the same prompts, interleaved. Its speedup over its τ is the most any head can get per token of
+    τ on this machine, dtype and engine: what is left once drafting costs nothing."""
+    from draftheads.inference.engine import EngineConfig
+    from draftheads.inference.proposers.random_draft import RandomProposer
+
+    model = target.model
+    params = SamplingParams(max_new_tokens=n, stop_at_eos=False)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    engines = {"plain": Engine(model, target.tokenizer, None)}
+    for k in chains:
+        cfg = EngineConfig(verifier="synthetic", synthetic_rates=(p,) * k)
+        engines[f"chain{k}"] = Engine(model, target.tokenizer, RandomProposer(vocab), config=cfg, tree=f"chain{k}")
+    warm_up(engines.values(), prompts[0])
+    t = interleaved({name: (lambda ids, e=e: generation_run(e, [ids], params)) for name, e in engines.items()},
+                    prompts, progress=lambda i: progress(f"ceiling: prompt {i + 1}/{len(prompts)}"))
+    out = {"p": p}
+    for k in chains:
+        agg, speedup = t.metrics(f"chain{k}"), t.rate(f"chain{k}") / t.rate("plain")
+        out[f"chain{k}"] = {"tau": agg.tau, "speedup": speedup, "step_cost": tokens_per_forward(agg) / speedup}
+        progress(f"ceiling: chain{k} at p = {p}: tau {agg.tau:.2f}, {speedup:.2f}x")
     return out
 
 
@@ -142,7 +170,9 @@ def datagen(target, prompts: list[list[int]], n: int, batch: int = 64, single: i
 
 
 def tables(res: dict) -> str:
-    lines = [f"`{res['command']}` ({res['date']}, {res['machine']['platform']}, {res['machine']['threads']} threads)", ""]
+    dtype = f", {res['dtype']}" if "dtype" in res else ""
+    lines = [f"`{res['command']}` ({res['date']}, {res['machine']['platform']}, {res['machine']['threads']} threads"
+             f"{dtype})", ""]
     if "verify_curve" in res:
         lines += ["verify cost (one forward, K query tokens after a 256-token prefix)", "",
                   "| K | ms | x K=1 |", "|---|---|---|"]
@@ -153,8 +183,8 @@ def tables(res: dict) -> str:
                       f"takes {mb['weight_read_ms']:.1f} ms; the 1-token forward takes {mb['k1_ms']:.1f} ms "
                       f"({mb['k1_over_weight_read']:.2f}x)", ""]
     if "proposers" in res:
-        lines += ["| method | tokens/s | vs plain (pooled) | per-prompt median (quartiles) | τ | drafted steps |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["| method | tokens/s | vs plain (pooled) | per-prompt median (quartiles) | τ | drafted steps | "
+                  "step cost (x plain step) |", "|---|---|---|---|---|---|---|"]
         for m, v in res["proposers"].items():
             tau = f"{v['tau']:.2f}" if "tau" in v else "-"
             med = (f"{v['ratio_median']:.2f}x (quartiles {v['ratio_q25']:.2f}-{v['ratio_q75']:.2f}, 95% CI "
@@ -164,7 +194,9 @@ def tables(res: dict) -> str:
             if v.get("above_bound"):
                 med += ", ABOVE the tokens-per-forward bound: noise or a disturbed run, re-run"
             drafted = f"{v['drafted_steps']}/{v['steps']}" if "steps" in v else "-"
-            lines.append(f"| {m} | {v['tokens_per_s']:.1f} | {v['ratio_vs_plain']:.2f}x | {med} | {tau} | {drafted} |")
+            cost = f"{v['tokens_per_forward'] / v['ratio_vs_plain']:.2f}" if "tokens_per_forward" in v else "-"
+            lines.append(f"| {m} | {v['tokens_per_s']:.1f} | {v['ratio_vs_plain']:.2f}x | {med} | {tau} | {drafted} "
+                         f"| {cost} |")
         lines.append("")
     if "batch_sweep" in res:
         bs = sorted({int(b) for v in res["batch_sweep"].values() for b in v})
@@ -183,6 +215,14 @@ def tables(res: dict) -> str:
                          ("continuous_features", f"continuous batch {d['batch']} + features")):
             v = d[k]
             lines.append(f"| {label} | {v['tokens']} | {v['tokens_per_s']:.1f} | {v.get('ratio_vs_batch1', 1.0):.1f}x |")
+        lines.append("")
+    if "ceiling" in res:
+        c = res["ceiling"]
+        lines += [f"the engine's best case: chains drafted for free, accepted with p = {c['p']} per position "
+                  "(synthetic verifier), batch 1", "", "| chain | τ | speedup | step cost (x plain step) |",
+                  "|---|---|---|---|"]
+        lines += [f"| {k} | {v['tau']:.2f} | {v['speedup']:.2f}x | {v['step_cost']:.2f} |"
+                  for k, v in c.items() if k != "p"]
         lines.append("")
     if "loss_memory" in res:
         lines += ["| vocab | loss | plain MB | fused MB | fused/plain |", "|---|---|---|---|---|"]

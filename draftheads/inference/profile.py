@@ -56,20 +56,29 @@ def verify_curve(model, ks=DEFAULT_KS, prefix: int = 256, repeats: int = 5, batc
     return out
 
 
-def profile_path(target_name: str, device: str) -> Path:
+def profile_key(model) -> tuple[str, str]:
+    """The device type and dtype a verify curve holds for: a bf16 forward's K-token cost differs from a
+    float32 one's (on a CPU with native bf16 its matmuls cost about the same at K = 1 and K = 4)."""
+    p = next(model.parameters())
+    return p.device.type, str(p.dtype).removeprefix("torch.")
+
+
+def profile_path(target_name: str, device: str, dtype: str) -> Path:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in target_name)
-    return cache_dir() / "profiles" / f"{safe}-{device}.json"
+    return cache_dir() / "profiles" / f"{safe}-{device}-{dtype}.json"
 
 
-def save_profile(target_name: str, device: str, curve: dict[int, float], prefix: int) -> Path:
-    path = profile_path(target_name, device)
-    atomic_write_json(path, {"target": target_name, "device": device, "prefix": prefix,
+def save_profile(target_name: str, model, curve: dict[int, float], prefix: int) -> Path:
+    device, dtype = profile_key(model)
+    path = profile_path(target_name, device, dtype)
+    atomic_write_json(path, {"target": target_name, "device": device, "dtype": dtype, "prefix": prefix,
                              "ms": {str(k): v for k, v in curve.items()}})
     return path
 
 
-def load_profile(target_name: str, device: str) -> dict[int, float] | None:
-    path = profile_path(target_name, device)
+def load_profile(target_name: str, model) -> dict[int, float] | None:
+    """The verify curve ``draftheads profile`` measured for this target on ``model``'s device and dtype."""
+    path = profile_path(target_name, *profile_key(model))
     if not path.is_file():
         return None
     return {int(k): v for k, v in json.loads(path.read_text())["ms"].items()}

@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from draftheads.cli import main
 from draftheads.heads import save_head
@@ -71,7 +72,23 @@ def test_malformed_tree_file_for_medusa(tiny_target, tiny_llama_dir, tmp_path):
     assert r.returncode == 2 and "malformed" in r.stderr
 
 
-def test_profile_curve(tiny_llama_dir, capsys):
-    assert main(["profile", "--target", str(tiny_llama_dir), "--ks", "1,4", "--prefix", "16", "--repeats", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "| 1 |" in out and "| 4 |" in out and "saved to" in out
+def test_profile_curve_is_kept_per_dtype(tiny_llama_dir, capsys):
+    """A bfloat16 curve does not overwrite the float32 one, and each engine is seeded with its own dtype's."""
+    from draftheads.inference.build import make_engine
+    from draftheads.inference.profile import load_profile
+    from draftheads.inference.proposers.ngram import NGramProposer
+    from draftheads.targets import load_target
+
+    for dtype in ("float32", "bfloat16"):
+        assert main(["profile", "--target", str(tiny_llama_dir), "--dtype", dtype, "--ks", "1,4", "--prefix", "16",
+                     "--repeats", "2"]) == 0
+        out = capsys.readouterr().out
+        assert "| 1 |" in out and "| 4 |" in out and f"-{dtype}.json" in out
+    curves = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        target = load_target(str(tiny_llama_dir), dtype=dtype)
+        curves[dtype] = load_profile(target.info.name, target.model)
+        assert sorted(curves[dtype]) == [1, 4]
+        engine = make_engine(target, NGramProposer(), tree="auto")
+        assert engine.policy.curve.points == {k: [ms / 1000, 1.0] for k, ms in curves[dtype].items()}
+    assert curves[torch.float32] != curves[torch.bfloat16]

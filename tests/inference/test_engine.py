@@ -203,3 +203,23 @@ def test_a_bf16_target_on_the_cpu_keeps_float32_kv(model):
         logits, _ = engine.forward(cache, [st], [Tree(prompt, [-1] + list(range(len(prompt) - 1)))], ())
         errs[kv] = (logits.all().float() - want).abs().max().item()
     assert 0 < errs[None] <= 2 * own and errs["bfloat16"] <= 2 * own, (errs, own)
+
+
+@pytest.mark.parametrize("name", ["medusa", "eagle", "eagle3", "dflash", "dspark"])
+def test_a_head_drafts_in_the_target_dtype(tiny_target, name):
+    """``make_proposer`` casts a float32 head to a bf16 target's dtype; the engine then drafts and verifies
+    in bf16 and emits the tokens asked for."""
+    import copy
+    import dataclasses
+
+    from draftheads.inference.build import make_engine, make_proposer
+
+    m16 = copy.deepcopy(tiny_target.model).to(torch.bfloat16)
+    target = dataclasses.replace(tiny_target, model=m16)
+    head = random_heads(tiny_target.model)[name]
+    assert next(head.parameters()).dtype == torch.float32
+    proposer = make_proposer(target, head=head)
+    floats = {p.dtype for p in proposer.head.parameters() if p.is_floating_point()}
+    assert floats == {torch.bfloat16}, floats
+    (out,) = make_engine(target, proposer, tree="chain3").generate([PROMPTS[2]], PARAMS)
+    assert len(out.token_ids) == NEW and out.metrics.drafts > 0
