@@ -29,8 +29,11 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+from draftheads.utils import atomic_write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -41,13 +44,17 @@ SHIPPED = ROOT / "draftheads/data/heads/smollm2-135m-eagle3"
 
 
 class Run:
+    tick_seconds = 30.0
+    """How often a running stage's wall time so far is saved (a killed run loses at most this much of it)."""
+
     def __init__(self, root: Path):
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.log = (root / "log.txt").open("a", encoding="utf-8")
         self.times_file = root / "stages.json"
         self.times = json.loads(self.times_file.read_text()) if self.times_file.is_file() else {}
-        self._stage, self._prior, self._t0, self._last_tick = None, 0.0, 0.0, 0.0
+        self._stage, self._prior, self._t0 = None, 0.0, 0.0
+        self._lock = threading.Lock()  # the ticker thread and the main thread both save the times
 
     def say(self, msg: str) -> None:
         line = f"[{time.strftime('%H:%M:%S')}] {msg}"
@@ -55,21 +62,28 @@ class Run:
         self.log.write(line + "\n")
         self.log.flush()
 
-    def _tick(self, name: str, force: bool = False) -> None:
-        """Record the running stage's wall time so far (with the time of earlier, interrupted runs of it),
-        at most once a minute, so a killed run loses at most a minute of its stage time."""
-        now = time.perf_counter()
-        if self._stage is None or (not force and now - self._last_tick < 60):
-            return
-        self._last_tick = now
-        self.times.setdefault("running", {})[name] = round(self._prior + now - self._t0, 1)
-        self.times_file.write_text(json.dumps(self.times, indent=2))
+    def save_times(self) -> None:
+        with self._lock:
+            atomic_write_json(self.times_file, self.times)
+
+    def _tick(self) -> None:
+        """Record the running stage's wall time so far, with the time of earlier, interrupted runs of it."""
+        with self._lock:
+            if self._stage is None:
+                return
+            self.times.setdefault("running", {})[self._stage] = round(self._prior + time.perf_counter() - self._t0, 1)
+            atomic_write_json(self.times_file, self.times)
+
+    def _ticking(self, stop: threading.Event) -> None:
+        """Tick every ``tick_seconds`` until ``stop``: a clock, not the stage's output, whose lines can be
+        far apart (a training epoch's progress bar redraws one line with carriage returns)."""
+        while not stop.wait(self.tick_seconds):
+            self._tick()
 
     def cmd(self, stage: str, argv: list[str]) -> None:
         self.say(f"=== {stage}: {' '.join(argv)}")
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
-            self._tick(self._stage or stage)
             if "it/s]" in line or "s/it]" in line:
                 continue  # progress bars
             sys.stdout.write(line)
@@ -84,7 +98,7 @@ class Run:
         """Drop the recorded time of a stage that is made again."""
         self.times.pop(name, None)
         self.times.get("running", {}).pop(name, None)
-        self.times_file.write_text(json.dumps(self.times, indent=2))
+        self.save_times()
 
     def stage(self, name: str, done: Path, fn, finished: bool = True, grown: bool = False) -> None:
         """Run ``fn`` unless ``done`` exists (and ``finished``: the output is not one to be grown); ``grown``:
@@ -96,15 +110,23 @@ class Run:
         grown = grown or done.exists()
         self._stage = name
         self._prior = self.times.get("running", {}).get(name) or (self.times.get(name, 0.0) if grown else 0.0)
-        self._t0 = self._last_tick = time.perf_counter()
+        self._t0 = time.perf_counter()
         if self._prior:
             how = "growing its output" if grown else "resuming"
             self.say(f"=== {name}: {how}; {self._prior:.0f} s of earlier runs count towards it")
-        fn()
-        self.times[name] = round(self._prior + time.perf_counter() - self._t0, 1)
-        self.times.get("running", {}).pop(name, None)
-        self._stage = None
-        self.times_file.write_text(json.dumps(self.times, indent=2))
+        stop = threading.Event()
+        ticker = threading.Thread(target=self._ticking, args=(stop,), daemon=True)
+        ticker.start()
+        try:
+            fn()
+        finally:
+            stop.set()
+            ticker.join()
+        with self._lock:
+            self.times[name] = round(self._prior + time.perf_counter() - self._t0, 1)
+            self.times.get("running", {}).pop(name, None)
+            self._stage = None
+        self.save_times()
         self.say(f"=== {name}: done in {self.times[name]:.0f} s (wall time over every run of the stage)")
 
 
@@ -261,7 +283,7 @@ def main() -> int:
     run.say(f"reference-head: {' '.join(sys.argv[1:]) or '(defaults)'}")
     if "plain_tok_s" not in run.times:
         run.times["plain_tok_s"] = round(plain_decode_rate(), 2)
-        run.times_file.write_text(json.dumps(run.times, indent=2))
+        run.save_times()
     run.say(f"machine: plain decode {run.times['plain_tok_s']:.1f} tok/s at batch 1 (fp32, engine)")
     run.say(f"synthesize, distill and bench in {args.dtype}; train in precision {args.precision}; eval in float32")
 
@@ -363,9 +385,9 @@ def _blocks(run: Run, root: Path, head: Path, args) -> None:
                              "--out", str(root / "blocks" / "bench")])
     table = {fam: json.loads((root / "blocks" / f"eval-{fam}" / "results.json").read_text())["modes"]
              for fam in heads}
-    (root / "blocks" / "results.json").write_text(json.dumps(
-        {fam: {m: {"tau": v["overall"]["tau"], "speedup": v["overall"]["speedup"]} for m, v in modes.items()}
-         for fam, modes in table.items()}, indent=2))
+    atomic_write_json(root / "blocks" / "results.json", {
+        fam: {m: {"tau": v["overall"]["tau"], "speedup": v["overall"]["speedup"]} for m, v in modes.items()}
+        for fam, modes in table.items()})
 
 
 def base_epochs(args) -> int:
@@ -418,7 +440,7 @@ def _scaling(run: Run, root: Path, fractions: list[float], head: Path, features:
     out.mkdir(parents=True, exist_ok=True)
     (out / "scaling.md").write_text(scaling_table(points, args))
     _plot_scaling(points, out / "scaling.png")
-    (out / "scaling.json").write_text(json.dumps(points, indent=2))
+    atomic_write_json(out / "scaling.json", points)
 
 
 def scaling_table(points: list[dict], args) -> str:
@@ -482,7 +504,7 @@ def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, benc
         if tau <= prev:
             run.say(f"package: chain-3 tau {tau:.3f} does not beat the committed head's {prev:.3f}: not replaced "
                     "(--force to replace it anyway)")
-            (root / "packaged.json").write_text(json.dumps({"packaged": False, "tau": tau, "committed": prev}))
+            atomic_write_json(root / "packaged.json", {"packaged": False, "tau": tau, "committed": prev})
             return
     meta = json.loads((head / "config.json").read_text())
     weights = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v)
@@ -521,7 +543,7 @@ def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, benc
     shutil.copytree(tmp, shipped)
     size = (shipped / WEIGHTS_NAME).stat().st_size / 2**20
     run.say(f"package: wrote {args.package_dir} ({size:.1f} MB), chain-3 tau {tau:.3f}")
-    (root / "packaged.json").write_text(json.dumps({"packaged": True, "tau": tau, "mb": size}))
+    atomic_write_json(root / "packaged.json", {"packaged": True, "tau": tau, "mb": size})
 
 
 def card_markdown(card: dict, eval_md: str, bench_md: str, scaling_md: str) -> str:

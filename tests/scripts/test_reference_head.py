@@ -57,3 +57,32 @@ def test_extension_rounds_follow_on_from_each_other(tmp_path):
     # round 3 does not follow on without a round 2, and a copy set aside is no round
     assert mod.made_rounds(tmp_path) == [tmp_path / "extended"]
     assert mod.trained_epochs(tmp_path / "extended") == 2 and mod.trained_epochs(tmp_path / "none") is None
+
+
+def test_a_stage_saves_its_time_while_it_runs_without_output(tmp_path, monkeypatch):
+    """A stage that prints nothing for a while still has its time so far saved (a killed run keeps it),
+    and a rerun after the kill counts that time towards the stage."""
+    import json
+    import time
+
+    mod = _script()
+    monkeypatch.setattr(mod.Run, "tick_seconds", 0.05)
+    run = mod.Run(tmp_path)
+    seen = []
+
+    def quiet():
+        time.sleep(0.4)
+        seen.append(json.loads(run.times_file.read_text())["running"]["quiet"])
+        raise KeyboardInterrupt  # killed mid-stage
+
+    try:
+        run.stage("quiet", tmp_path / "out", quiet)
+    except KeyboardInterrupt:
+        pass
+    assert 0 < seen[0] <= 1.0, seen
+    saved = json.loads(run.times_file.read_text())["running"]["quiet"]
+    assert saved >= seen[0]
+    again = mod.Run(tmp_path)
+    again.stage("quiet", tmp_path / "out", lambda: (tmp_path / "out").write_text("done"))
+    total = json.loads(again.times_file.read_text())
+    assert "quiet" not in total["running"] and saved <= total["quiet"] < saved + 2.0
