@@ -7,8 +7,8 @@ the given heads, on the same prompts), ``batch`` (speedup of each proposer vs pl
 decoding vs a static batch vs continuous batching, with and without feature capture, on real answers
 that end at different lengths), ``ceiling`` (the engine's best case: a drafter that costs nothing, accepted
 with a fixed probability per position, against plain decoding). Except in ``datagen``, every timed
-configuration generates exactly
-``max_new_tokens`` tokens per prompt (no early stop), alternating between methods per prompt.
+configuration generates exactly ``max_new_tokens`` tokens per prompt (no early stop), alternating between
+methods per prompt.
 """
 
 from __future__ import annotations

@@ -93,13 +93,16 @@ class Eagle3Head(nn.Module):
         w = self.fc.weight
         return (w.unflatten(1, (3, -1)) / self.aux_scale.to(w.dtype)[None, :, None]).flatten(1)
 
-    def forward(self, embeds, hidden, position_ids, mask=None, past_kv=None, extra_kv=None, cache=None):
-        """One drafting step. embeds, hidden [B, T, H] -> (pre-norm hidden [B, T, H], new (k, v))."""
+    def forward(self, embeds, hidden, position_ids, mask=None, past_kv=None, extra_kv=None, cache=None,
+                own_kv=None):
+        """One drafting step. embeds, hidden [B, T, H] -> (pre-norm hidden [B, T, H], new (k, v)); the
+        keys as in :meth:`~draftheads.heads.layers.DraftAttention.forward`."""
         cos, sin = self.rotary(hidden, position_ids)
         layer = self.layers[0]
         if self.config.norm_before_residual:
             hidden = layer.hidden_norm(hidden)
-        return layer(hidden, cos, sin, embeds=embeds, mask=mask, past_kv=past_kv, extra_kv=extra_kv, cache=cache)
+        return layer(hidden, cos, sin, embeds=embeds, mask=mask, past_kv=past_kv, extra_kv=extra_kv, cache=cache,
+                     own_kv=own_kv)
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden)
@@ -120,25 +123,18 @@ class Eagle3Head(nn.Module):
     ) -> list[torch.Tensor]:
         """Unrolled training-time test: the normed outputs [B, T, H] of steps 0..steps-1."""
         steps = steps or self.config.ttt_steps
-        b, t, _ = aux.shape
         hidden = self.fuse(aux)
-        diag = torch.full((t, t), float("-inf"), device=aux.device, dtype=prefix_mask.dtype)
-        diag.fill_diagonal_(0.0)
-        diag = diag.expand(b, 1, t, t)
-        outs, extra_k, extra_v = [], [], []
+        outs, own_k, own_v = [], [], []
         prefix_kv = None
         for j in range(steps):
-            # keys: [step-0 prefix, step j, steps 1..j-1]; the diagonal blocks are identical
-            mask = torch.cat([prefix_mask] + [diag] * j, dim=-1) if j else prefix_mask
+            # step j's token at t reads step 0's entries up to t and its own position's entries of steps 1..j
             if j == 0:
-                hidden, kv = self.forward(step_embeds(0), hidden, position_ids, mask=mask)
+                hidden, kv = self.forward(step_embeds(0), hidden, position_ids, mask=prefix_mask)
                 prefix_kv = kv
             else:
-                hidden, kv = self.forward(
-                    step_embeds(j), hidden, position_ids + j, mask=mask,
-                    past_kv=prefix_kv, extra_kv=(extra_k, extra_v),
-                )
-                extra_k, extra_v = extra_k + [kv[0]], extra_v + [kv[1]]
+                hidden, kv = self.forward(step_embeds(j), hidden, position_ids + j, mask=prefix_mask,
+                                          past_kv=prefix_kv, own_kv=(own_k, own_v))
+                own_k, own_v = own_k + [kv[0]], own_v + [kv[1]]
             outs.append(self.normed(hidden))
         return outs
 

@@ -122,6 +122,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+OWN_BLOCK = 128
+"""Query rows per block in :func:`prefix_and_own_attention`."""
+
+
+def prefix_and_own_attention(q: torch.Tensor, prefix: tuple, own: tuple, mask: torch.Tensor,
+                             block: int | None = None) -> torch.Tensor:
+    """Attention of ``q`` [B, h, T, D] over the prefix keys and values ``prefix`` ([B, kvh, S, D] each)
+    under the additive ``mask`` [B or 1, 1, T, S], and over ``own`` (lists of n [B, kvh, T, D]): keys
+    that query t reads at position t only (training-time test: a step's token also sees the earlier
+    steps' entries at its own position). The same as one attention over S + n T keys with diagonal
+    own-position blocks in the mask, but each block of ``block`` (default ``OWN_BLOCK``) queries reads
+    S + n * block keys, so
+    the cost stays near one prefix attention however many steps came before. Returns [B, h, T, D]."""
+    b, h, t, d = q.shape
+    kvh, s = prefix[0].shape[1], prefix[0].shape[2]
+    n, c = len(own[0]), min(block or OWN_BLOCK, t)
+    nb = -(-t // c)
+    pad = nb * c - t
+
+    def rows(x):  # [B, heads, T, D] -> [B * nb, heads, c, D], the blocks of query rows
+        x = F.pad(x, (0, 0, 0, pad))
+        return x.reshape(b, x.shape[1], nb, c, d).transpose(1, 2).reshape(b * nb, x.shape[1], c, d)
+
+    def shared(x):  # [B, kvh, S, D] -> the same prefix for every block
+        return x[:, None].expand(b, nb, kvh, s, d).reshape(b * nb, kvh, s, d)
+
+    keys = torch.cat([shared(prefix[0]), *[rows(k) for k in own[0]]], 2)  # [B * nb, kvh, S + n c, D]
+    values = torch.cat([shared(prefix[1]), *[rows(v) for v in own[1]]], 2)
+    # padded query rows see the whole prefix (no empty softmax) and are dropped at the end
+    m = F.pad(mask.expand(b, 1, t, s), (0, 0, 0, pad)).reshape(b * nb, 1, c, s)
+    eye = torch.full((c, c), float("-inf"), dtype=mask.dtype, device=mask.device).fill_diagonal_(0.0)
+    m = torch.cat([m, eye.repeat(1, n).expand(b * nb, 1, c, n * c)], -1)
+    if h != kvh:  # K/V heads repeated, as the uncached path of DraftAttention does
+        keys, values = keys.repeat_interleave(h // kvh, dim=1), values.repeat_interleave(h // kvh, dim=1)
+    out = F.scaled_dot_product_attention(rows(q), keys, values, attn_mask=m)
+    return out.reshape(b, nb, h, c, d).transpose(1, 2).reshape(b, h, nb * c, d)[:, :, :t]
+
+
 class DraftAttention(nn.Module):
     def __init__(self, spec: LayerSpec, in_features: int):
         super().__init__()
@@ -131,10 +169,12 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.kvh * self.d, bias=False)
         self.o_proj = nn.Linear(self.h * self.d, spec.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask=None, past_kv=None, extra_kv=None, cache=None):
+    def forward(self, x, cos, sin, mask=None, past_kv=None, extra_kv=None, cache=None, own_kv=None):
         """x [B, T, in]; mask additive [B or 1, 1, T, S] over keys (past, new, extra) or None = causal.
         With ``cache`` (a :class:`~draftheads.inference.draft_kv.DraftStep`) the new K/V are written
-        there and the keys are the cache's, S of them, instead of ``past_kv``/``extra_kv``.
+        there and the keys are the cache's, S of them, instead of ``past_kv``/``extra_kv``. With
+        ``own_kv`` (lists of [B, kvh, T, D]) ``mask`` covers ``past_kv`` only, and each query also reads
+        its own position of the new K/V and of ``own_kv`` (:func:`prefix_and_own_attention`).
 
         Returns (out [B, T, H], (k, v)) with k/v [B, kvh, T, D] for the new tokens only.
         """
@@ -144,6 +184,9 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kvh, self.d).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         new_kv = (k, v)
+        if own_kv is not None:
+            out = prefix_and_own_attention(q, past_kv, ([k, *own_kv[0]], [v, *own_kv[1]]), mask)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, self.h * self.d)), new_kv
         if cache is not None:
             k_all, v_all = cache.update(k, v)
             out = F.scaled_dot_product_attention(q, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask=mask,
@@ -201,13 +244,15 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
         self.mlp = DraftMLP(spec)
 
-    def forward(self, hidden, cos, sin, embeds=None, mask=None, past_kv=None, extra_kv=None, cache=None):
+    def forward(self, hidden, cos, sin, embeds=None, mask=None, past_kv=None, extra_kv=None, cache=None,
+                own_kv=None):
         residual = hidden
         if self.eagle3:
             x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         else:
             x = hidden
-        attn, new_kv = self.self_attn(x, cos, sin, mask=mask, past_kv=past_kv, extra_kv=extra_kv, cache=cache)
+        attn, new_kv = self.self_attn(x, cos, sin, mask=mask, past_kv=past_kv, extra_kv=extra_kv, cache=cache,
+                                      own_kv=own_kv)
         hidden = residual + attn
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return hidden, new_kv

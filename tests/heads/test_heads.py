@@ -71,10 +71,15 @@ def test_eagle3_shapes_and_duplicate_ids_rejected():
         Eagle3Config(layer=SPEC, vocab_size=60, draft_vocab_size=20, aux_layer_ids=(2, 2, 3))
 
 
-def test_eagle3_ttt_equals_step_by_step_drafting():
+@pytest.mark.parametrize("block", [None, 4])  # one query block, or three with the last one padded
+def test_eagle3_ttt_equals_step_by_step_drafting(monkeypatch, block):
     """TTT step j at t == drafting j tokens on top of the real prefix 0..t with a growing draft KV."""
+    from draftheads.heads import layers
+
+    if block:
+        monkeypatch.setattr(layers, "OWN_BLOCK", block)
     head = _eagle3().double()
-    b, t = 1, 6
+    b, t = 1, 10
     aux = torch.randn(b, t, 96, dtype=torch.float64)
     emb = torch.randn(4, b, t, 32, dtype=torch.float64)  # step j's embeddings
     pos = torch.arange(t).expand(b, t)
@@ -84,7 +89,7 @@ def test_eagle3_ttt_equals_step_by_step_drafting():
     g = head.fuse(aux)
     h0, (k0, v0) = head(emb[0], g, pos, mask=causal)
     torch.testing.assert_close(head.normed(h0), outs[0])
-    for col in (0, 3, 5):
+    for col in (0, 3, 5, 9):
         prefix = (k0[:, :, : col + 1], v0[:, :, : col + 1])
         hidden, ek, ev = h0[:, col : col + 1], [], []
         for j in range(1, 4):
@@ -93,6 +98,35 @@ def test_eagle3_ttt_equals_step_by_step_drafting():
                                   past_kv=prefix, extra_kv=(ek, ev))
             ek, ev = ek + [k], ev + [v]
             torch.testing.assert_close(head.normed(hidden)[:, 0], outs[j][:, col])
+
+
+def test_prefix_and_own_attention_equals_one_masked_attention():
+    """Blocks of query rows (the last one padded), GQA, two documents and a row that sees no prefix key:
+    the output and every gradient equal one attention over all keys with diagonal own-position blocks."""
+    import torch.nn.functional as F
+
+    from draftheads.heads.layers import prefix_and_own_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, h, kvh, t, d, n = 2, 4, 2, 10, 8, 3
+    leaf = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
+    q, pk, pv = leaf(b, h, t, d), leaf(b, kvh, t, d), leaf(b, kvh, t, d)
+    ok, ov = [leaf(b, kvh, t, d) for _ in range(n)], [leaf(b, kvh, t, d) for _ in range(n)]
+    doc = torch.tensor([[0] * 6 + [1] * 4, [0] * 10])
+    pos = torch.arange(t)
+    seen = (doc[:, :, None] == doc[:, None]) & (pos[:, None] >= pos[None])
+    seen[1, 7] = False  # a row whose own-position keys are all it sees
+    mask = torch.zeros(b, 1, t, t, dtype=torch.float64).masked_fill(~seen[:, None], float("-inf"))
+    diag = torch.full((t, t), float("-inf"), dtype=torch.float64).fill_diagonal_(0.0).expand(b, 1, t, t)
+    leaves = [q, pk, pv, *ok, *ov]
+    want = F.scaled_dot_product_attention(q, torch.cat([pk, *ok], 2), torch.cat([pv, *ov], 2),
+                                          attn_mask=torch.cat([mask, *[diag] * n], -1), enable_gqa=True)
+    grads_want = torch.autograd.grad(want.pow(2).sum(), leaves)
+    for block in (4, 5, 16):
+        got = prefix_and_own_attention(q, (pk, pv), (ok, ov), mask, block=block)
+        torch.testing.assert_close(got, want)
+        for a, w in zip(torch.autograd.grad(got.pow(2).sum(), leaves), grads_want):
+            torch.testing.assert_close(a, w)
 
 
 @pytest.mark.parametrize("make", [
