@@ -126,6 +126,19 @@ OWN_BLOCK = 128
 """Query rows per block in :func:`prefix_and_own_attention`."""
 
 
+def masked_own_attention(q: torch.Tensor, prefix: tuple, own: tuple, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`prefix_and_own_attention` as one attention over S + n T keys, every own-position block masked
+    to its diagonal."""
+    b, h, t, _ = q.shape
+    diag = torch.full((t, t), float("-inf"), dtype=mask.dtype, device=mask.device).fill_diagonal_(0.0)
+    keys, values = torch.cat([prefix[0], *own[0]], 2), torch.cat([prefix[1], *own[1]], 2)
+    rep = h // keys.shape[1]
+    if rep > 1:
+        keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+    m = torch.cat([mask.expand(b, 1, t, -1), *[diag.expand(b, 1, t, t)] * len(own[0])], -1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=m)
+
+
 def prefix_and_own_attention(q: torch.Tensor, prefix: tuple, own: tuple, mask: torch.Tensor,
                              block: int | None = None) -> torch.Tensor:
     """Attention of ``q`` [B, h, T, D] over the prefix keys and values ``prefix`` ([B, kvh, S, D] each)
@@ -134,7 +147,11 @@ def prefix_and_own_attention(q: torch.Tensor, prefix: tuple, own: tuple, mask: t
     steps' entries at its own position). The same as one attention over S + n T keys with diagonal
     own-position blocks in the mask, but each block of ``block`` (default ``OWN_BLOCK``) queries reads
     S + n * block keys, so
-    the cost stays near one prefix attention however many steps came before. Returns [B, h, T, D]."""
+    the cost stays near one prefix attention however many steps came before. With one own-position key
+    the masked form (2 T keys) is cheaper than copying the prefix for every block, and is used instead.
+    Returns [B, h, T, D]."""
+    if len(own[0]) < 2:
+        return masked_own_attention(q, prefix, own, mask)
     b, h, t, d = q.shape
     kvh, s = prefix[0].shape[1], prefix[0].shape[2]
     n, c = len(own[0]), min(block or OWN_BLOCK, t)

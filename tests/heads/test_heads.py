@@ -108,25 +108,26 @@ def test_prefix_and_own_attention_equals_one_masked_attention():
     from draftheads.heads.layers import prefix_and_own_attention
 
     g = torch.Generator().manual_seed(0)
-    b, h, kvh, t, d, n = 2, 4, 2, 10, 8, 3
+    b, h, kvh, t, d = 2, 4, 2, 10, 8
     leaf = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
-    q, pk, pv = leaf(b, h, t, d), leaf(b, kvh, t, d), leaf(b, kvh, t, d)
-    ok, ov = [leaf(b, kvh, t, d) for _ in range(n)], [leaf(b, kvh, t, d) for _ in range(n)]
     doc = torch.tensor([[0] * 6 + [1] * 4, [0] * 10])
     pos = torch.arange(t)
     seen = (doc[:, :, None] == doc[:, None]) & (pos[:, None] >= pos[None])
     seen[1, 7] = False  # a row whose own-position keys are all it sees
     mask = torch.zeros(b, 1, t, t, dtype=torch.float64).masked_fill(~seen[:, None], float("-inf"))
     diag = torch.full((t, t), float("-inf"), dtype=torch.float64).fill_diagonal_(0.0).expand(b, 1, t, t)
-    leaves = [q, pk, pv, *ok, *ov]
-    want = F.scaled_dot_product_attention(q, torch.cat([pk, *ok], 2), torch.cat([pv, *ov], 2),
-                                          attn_mask=torch.cat([mask, *[diag] * n], -1), enable_gqa=True)
-    grads_want = torch.autograd.grad(want.pow(2).sum(), leaves)
-    for block in (4, 5, 16):
-        got = prefix_and_own_attention(q, (pk, pv), (ok, ov), mask, block=block)
-        torch.testing.assert_close(got, want)
-        for a, w in zip(torch.autograd.grad(got.pow(2).sum(), leaves), grads_want):
-            torch.testing.assert_close(a, w)
+    for n in (1, 3):  # one own-position key takes the masked form, more the query blocks
+        q, pk, pv = leaf(b, h, t, d), leaf(b, kvh, t, d), leaf(b, kvh, t, d)
+        ok, ov = [leaf(b, kvh, t, d) for _ in range(n)], [leaf(b, kvh, t, d) for _ in range(n)]
+        leaves = [q, pk, pv, *ok, *ov]
+        want = F.scaled_dot_product_attention(q, torch.cat([pk, *ok], 2), torch.cat([pv, *ov], 2),
+                                              attn_mask=torch.cat([mask, *[diag] * n], -1), enable_gqa=True)
+        grads_want = torch.autograd.grad(want.pow(2).sum(), leaves)
+        for block in (4, 5, 16):
+            got = prefix_and_own_attention(q, (pk, pv), (ok, ov), mask, block=block)
+            torch.testing.assert_close(got, want)
+            for a, w in zip(torch.autograd.grad(got.pow(2).sum(), leaves), grads_want):
+                torch.testing.assert_close(a, w)
 
 
 @pytest.mark.parametrize("make", [
