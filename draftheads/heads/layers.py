@@ -123,7 +123,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 OWN_BLOCK = 128
-"""Query rows per block in :func:`prefix_and_own_attention`."""
+"""Query rows per block in :func:`prefix_and_own_attention` (more where a row would make more than
+``OWN_BLOCKS`` blocks)."""
+OWN_BLOCKS = 8
+"""Most blocks a row is cut into: each block holds a copy of the prefix K/V."""
 
 
 def masked_own_attention(q: torch.Tensor, prefix: tuple, own: tuple, mask: torch.Tensor) -> torch.Tensor:
@@ -145,16 +148,16 @@ def prefix_and_own_attention(q: torch.Tensor, prefix: tuple, own: tuple, mask: t
     under the additive ``mask`` [B or 1, 1, T, S], and over ``own`` (lists of n [B, kvh, T, D]): keys
     that query t reads at position t only (training-time test: a step's token also sees the earlier
     steps' entries at its own position). The same as one attention over S + n T keys with diagonal
-    own-position blocks in the mask, but each block of ``block`` (default ``OWN_BLOCK``) queries reads
-    S + n * block keys, so
-    the cost stays near one prefix attention however many steps came before. With one own-position key
+    own-position blocks in the mask, but each block of ``block`` queries (default ``OWN_BLOCK``, and at
+    most ``OWN_BLOCKS`` blocks a row) reads S + n * block keys, so the cost stays near one prefix
+    attention however many steps came before. With one own-position key
     the masked form (2 T keys) is cheaper than copying the prefix for every block, and is used instead.
     Returns [B, h, T, D]."""
     if len(own[0]) < 2:
         return masked_own_attention(q, prefix, own, mask)
     b, h, t, d = q.shape
     kvh, s = prefix[0].shape[1], prefix[0].shape[2]
-    n, c = len(own[0]), min(block or OWN_BLOCK, t)
+    n, c = len(own[0]), min(max(block or OWN_BLOCK, -(-t // OWN_BLOCKS)), t)
     nb = -(-t // c)
     pad = nb * c - t
 
