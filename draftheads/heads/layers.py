@@ -126,7 +126,7 @@ OWN_BLOCK = 128
 """Query rows per block in :func:`prefix_and_own_attention` (more where a row would make more than
 ``OWN_BLOCKS`` blocks)."""
 OWN_BLOCKS = 8
-"""Most blocks a row is cut into: each block holds a copy of the prefix K/V."""
+"""Most blocks a row is cut into (one attention call each)."""
 
 
 def masked_own_attention(q: torch.Tensor, prefix: tuple, own: tuple, mask: torch.Tensor) -> torch.Tensor:
@@ -147,37 +147,31 @@ def prefix_and_own_attention(q: torch.Tensor, prefix: tuple, own: tuple, mask: t
     """Attention of ``q`` [B, h, T, D] over the prefix keys and values ``prefix`` ([B, kvh, S, D] each)
     under the additive ``mask`` [B or 1, 1, T, S], and over ``own`` (lists of n [B, kvh, T, D]): keys
     that query t reads at position t only (training-time test: a step's token also sees the earlier
-    steps' entries at its own position). The same as one attention over S + n T keys with diagonal
-    own-position blocks in the mask, but each block of ``block`` queries (default ``OWN_BLOCK``, and at
-    most ``OWN_BLOCKS`` blocks a row) reads S + n * block keys, so the cost stays near one prefix
-    attention however many steps came before. With one own-position key
-    the masked form (2 T keys) is cheaper than copying the prefix for every block, and is used instead.
-    Returns [B, h, T, D]."""
-    if len(own[0]) < 2:
-        return masked_own_attention(q, prefix, own, mask)
+    steps' entries at its own position). The same as :func:`masked_own_attention`, one attention over
+    S + n T keys with diagonal own-position blocks in its mask, but taken block by block of ``block``
+    query rows (default ``OWN_BLOCK``, at most ``OWN_BLOCKS`` blocks a row): a block reads the prefix
+    keys up to the last one any of its rows sees (about half of them under a causal mask) and its own
+    rows of ``own``, n * block keys instead of n T. Returns [B, h, T, D]."""
     b, h, t, d = q.shape
-    kvh, s = prefix[0].shape[1], prefix[0].shape[2]
+    s = prefix[0].shape[2]
     n, c = len(own[0]), min(max(block or OWN_BLOCK, -(-t // OWN_BLOCKS)), t)
-    nb = -(-t // c)
-    pad = nb * c - t
-
-    def rows(x):  # [B, heads, T, D] -> [B * nb, heads, c, D], the blocks of query rows
-        x = F.pad(x, (0, 0, 0, pad))
-        return x.reshape(b, x.shape[1], nb, c, d).transpose(1, 2).reshape(b * nb, x.shape[1], c, d)
-
-    def shared(x):  # [B, kvh, S, D] -> the same prefix for every block
-        return x[:, None].expand(b, nb, kvh, s, d).reshape(b * nb, kvh, s, d)
-
-    keys = torch.cat([shared(prefix[0]), *[rows(k) for k in own[0]]], 2)  # [B * nb, kvh, S + n c, D]
-    values = torch.cat([shared(prefix[1]), *[rows(v) for v in own[1]]], 2)
-    # padded query rows see the whole prefix (no empty softmax) and are dropped at the end
-    m = F.pad(mask.expand(b, 1, t, s), (0, 0, 0, pad)).reshape(b * nb, 1, c, s)
+    mask = mask.expand(b, 1, t, s)
+    seen = mask[:, 0] > torch.finfo(mask.dtype).min / 2  # [B, T, S]
+    needed = torch.where(seen, torch.arange(1, s + 1, device=mask.device), 0).amax(-1).amax(0)  # [T]
+    ends = F.pad(needed, (0, -t % c)).view(-1, c).amax(1).tolist()  # prefix keys each block reads
+    rep = h // prefix[0].shape[1]
     eye = torch.full((c, c), float("-inf"), dtype=mask.dtype, device=mask.device).fill_diagonal_(0.0)
-    m = torch.cat([m, eye.repeat(1, n).expand(b * nb, 1, c, n * c)], -1)
-    if h != kvh:  # K/V heads repeated, as the uncached path of DraftAttention does
-        keys, values = keys.repeat_interleave(h // kvh, dim=1), values.repeat_interleave(h // kvh, dim=1)
-    out = F.scaled_dot_product_attention(rows(q), keys, values, attn_mask=m)
-    return out.reshape(b, nb, h, c, d).transpose(1, 2).reshape(b, h, nb * c, d)[:, :, :t]
+    outs = []
+    for i, e in zip(range(0, t, c), ends):
+        j = min(i + c, t)
+        keys = torch.cat([prefix[0][:, :, :e], *[k[:, :, i:j] for k in own[0]]], 2)  # [B, kvh, e + n r, D]
+        values = torch.cat([prefix[1][:, :, :e], *[v[:, :, i:j] for v in own[1]]], 2)
+        if rep > 1:  # K/V heads repeated, as the uncached path of DraftAttention does
+            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+        diag = eye[: j - i, : j - i].repeat(1, n).expand(b, 1, j - i, n * (j - i))
+        m = torch.cat([mask[:, :, i:j, :e], diag], -1)
+        outs.append(F.scaled_dot_product_attention(q[:, :, i:j], keys, values, attn_mask=m))
+    return torch.cat(outs, 2)
 
 
 class DraftAttention(nn.Module):

@@ -101,8 +101,9 @@ def test_eagle3_ttt_equals_step_by_step_drafting(monkeypatch, block):
 
 
 def test_prefix_and_own_attention_equals_one_masked_attention():
-    """Blocks of query rows (the last one padded), GQA, two documents and a row that sees no prefix key:
-    the output and every gradient equal one attention over all keys with diagonal own-position blocks."""
+    """Blocks of query rows (the last one shorter), GQA, two documents, a row and then every row seeing no
+    prefix key: the output and every gradient equal one attention over all keys with diagonal own-position
+    blocks."""
     import torch.nn.functional as F
 
     from draftheads.heads.layers import prefix_and_own_attention
@@ -128,6 +129,10 @@ def test_prefix_and_own_attention_equals_one_masked_attention():
             torch.testing.assert_close(got, want)
             for a, w in zip(torch.autograd.grad(got.pow(2).sum(), leaves), grads_want):
                 torch.testing.assert_close(a, w)
+    blind = torch.full_like(mask, float("-inf"))  # no query sees a prefix key: own positions only
+    want = F.scaled_dot_product_attention(q, torch.cat([pk, *ok], 2), torch.cat([pv, *ov], 2),
+                                          attn_mask=torch.cat([blind, *[diag] * n], -1), enable_gqa=True)
+    torch.testing.assert_close(prefix_and_own_attention(q, (pk, pv), (ok, ov), blind, block=4), want)
 
 
 @pytest.mark.parametrize("make", [
