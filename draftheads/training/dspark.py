@@ -116,7 +116,8 @@ class DSparkModule(DFlashModule):
             e = self.head.markov_embed(prev)  # the Markov bias e @ w2^T rides in the fused projection
             lk, accept, top = linear_block_distill(hs, w_student, b.last[rows, pred - 1], w_teacher, ids[rows, pred],
                                                    hp.ce_weight, hp.tv_weight, hp.kl_weight, hp.loss_chunk_size,
-                                                   bias_in=None if e is None else e.to(hs.dtype), bias_w=w_markov)
+                                                   bias_in=None if e is None else e.to(hs.dtype), bias_w=w_markov,
+                                                   impl=hp.loss_impl)
             weight = position_weight(j, cfg.block_size)
             hit = (self.head.to_target_ids(top) == b.argmax[rows, pred - 1]).float()
             total = total + weight * lk

@@ -7,6 +7,8 @@ references used by parity tests and the memory benchmark:
   beta = 0, i.e. forward KL);
 * elsewhere: chunked torch autograd functions that compute the gradients chunk by chunk during the
   forward pass (the same scheme as Liger's ``chunked_loss``), so peak memory is one chunk of logits.
+  A chunk's softmax arithmetic is one pure function per loss (``_*_math``); ``impl="compiled"`` runs it
+  through ``torch.compile``, which fuses its passes over the chunk (the projections stay matmuls).
 
 Soft targets use forward KL(p_target || q_draft) = soft cross-entropy minus the target's entropy, a
 constant: the gradients equal soft-CE's, and 0 means a perfect match.
@@ -17,10 +19,15 @@ token at t + d is kept when that token is an assistant (loss-masked) token of th
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+IMPLS = ("auto", "liger", "chunked", "compiled")
+"""``impl`` of the losses: ``auto`` (Liger on CUDA, chunked torch elsewhere), ``liger``, ``chunked``, or
+``compiled`` (chunked, its per-chunk arithmetic compiled by torch.compile)."""
 DEFAULT_CHUNK = 1024
 
 
@@ -95,20 +102,36 @@ def _chunked_backward(ctx, go):
     return out + (None,) * ctx.n_extra
 
 
-def _ce_chunks(labels, row_weights=None):
-    """CE per chunk of rows: (summed loss, d loss / d logits) from the logits buffer; ``row_weights`` [N]
-    scale each row's term (the mean is still over the valid rows)."""
+@functools.cache
+def _compiled(math):
+    """``math`` compiled once for any number of rows."""
+    return torch.compile(math, dynamic=True)
+
+
+def _runner(math, impl: str):
+    """A chunk's arithmetic as ``impl`` runs it: compiled, or eagerly."""
+    return _compiled(math) if impl == "compiled" else math
+
+
+def _ce_math(logits, labels, scale):
+    """One chunk of CE: (sum of scale * -log q[label], its gradient wrt the logits); logits [n, V] float32,
+    labels [n] (valid ids), scale [n] (0 for ignored rows)."""
+    log_q = logits - torch.logsumexp(logits, -1, keepdim=True)
+    loss = -(log_q.gather(1, labels[:, None])[:, 0] * scale).sum()
+    grad = log_q.exp() * scale[:, None]
+    return loss, grad.scatter_add(1, labels[:, None], -scale[:, None])
+
+
+def _ce_chunks(labels, row_weights=None, impl: str = "chunked"):
+    """CE per chunk of rows: (summed loss, d loss / d logits); ``row_weights`` [N] scale each row's term
+    (the mean is still over the valid rows)."""
     valid = labels != IGNORE_INDEX
     safe = labels.clamp(min=0)
     scale = valid.float() if row_weights is None else valid.float() * row_weights.detach().float()
+    math = _runner(_ce_math, impl)
 
     def ce(s, logits):
-        lc, vc = safe[s : s + len(logits)], scale[s : s + len(logits)]
-        lse = torch.logsumexp(logits, -1)
-        loss = ((lse - logits.gather(1, lc[:, None])[:, 0]) * vc).sum()
-        g = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits buffer
-        g[torch.arange(len(lc), device=g.device), lc] -= 1.0
-        return loss, g.mul_(vc.to(g.dtype)[:, None])
+        return math(logits, safe[s : s + len(logits)], scale[s : s + len(logits)])
 
     return ce, max(int(valid.sum()), 1)
 
@@ -128,20 +151,25 @@ def _table_teacher(table, rows):
     return lambda s, n: table[rows[s : s + n]]
 
 
-def _kl_chunks(teacher, argmax=None):
+def _kl_math(logits, log_p):
+    """One chunk of KL(p || q): (the sum over its rows, its gradient q - p wrt the student logits, the
+    student's top token per row); logits [n, V] and the teacher's log-probs log_p [n, V], float32."""
+    log_q = logits - torch.logsumexp(logits, -1, keepdim=True)
+    p = log_p.exp()
+    return (p * (log_p - log_q)).sum(), log_q.exp() - p, logits.argmax(-1)
+
+
+def _kl_chunks(teacher, argmax=None, impl: str = "chunked"):
     """KL(p_teacher || q_student) per chunk of rows, and its gradient wrt the student logits; ``teacher(s,
-    n)`` gives the float32 log-probs of rows s .. s + n in a buffer this may overwrite. Fills ``argmax``
-    [N], when given, with the student's top token."""
+    n)`` gives the float32 log-probs of rows s .. s + n. Fills ``argmax`` [N], when given, with the
+    student's top token."""
+    math = _runner(_kl_math, impl)
 
     def kl(s, logits):
-        # three chunk-sized buffers: student logits -> log q -> grad, teacher log p -> log p - log q, p
+        loss, grad, top = math(logits, teacher(s, len(logits)))
         if argmax is not None:
-            argmax[s : s + len(logits)] = logits.argmax(-1)
-        log_q = logits.sub_(torch.logsumexp(logits, -1, keepdim=True))
-        log_p = teacher(s, len(logits))
-        p = log_p.exp()
-        loss = p.view(-1) @ log_p.sub_(log_q).view(-1)
-        return loss, log_q.exp_().sub_(p)
+            argmax[s : s + len(logits)] = top
+        return loss, grad
 
     return kl
 
@@ -161,56 +189,61 @@ def _needs_grad(*ts) -> bool:
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, labels, row_weights, chunk: int):
+    def forward(ctx, h, w, labels, row_weights, chunk: int, impl: str):
         # h [N, H], w [V, H], labels [N] with IGNORE_INDEX, row_weights [N] or None; mean CE over valid rows
-        ce, denom = _ce_chunks(labels, row_weights)
-        return _chunked_forward(ctx, [(h, w)], chunk, denom, ce, n_extra=3)
+        ce, denom = _ce_chunks(labels, row_weights, impl)
+        return _chunked_forward(ctx, [(h, w)], chunk, denom, ce, n_extra=4)
 
     backward = staticmethod(_chunked_backward)
 
 
 class _ChunkedLinearKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hs, ws, teacher, chunk: int, argmax):
+    def forward(ctx, hs, ws, teacher, chunk: int, argmax, impl: str):
         # student hs [N, H], ws [V, H]; teacher(s, n): log-probs of rows s .. s + n; mean over N of
         # KL(p_t || q_s); argmax [N] or None: filled with the student's top tokens
-        return _chunked_forward(ctx, [(hs, ws)], chunk, max(hs.shape[0], 1), _kl_chunks(teacher, argmax), n_extra=3)
+        return _chunked_forward(ctx, [(hs, ws)], chunk, max(hs.shape[0], 1), _kl_chunks(teacher, argmax, impl),
+                                n_extra=4)
 
     backward = staticmethod(_chunked_backward)
 
 
-def _block_chunks(ht, wt, labels, ce_weight: float, tv_weight: float, kl_weight: float, accept, argmax):
-    """ce_weight * CE(labels) + tv_weight * TV(p, q) + kl_weight * KL(p || q) per chunk of rows, and its
-    gradient wrt the student logits; fills ``accept`` [N] with sum_x min(p, q) = 1 - TV (the probability
-    that rejection sampling accepts the draft) and ``argmax`` [N] with the student's top token.
+def _block_math(logits, teacher_logits, labels, valid, ce_weight: float, tv_weight: float, kl_weight: float):
+    """One chunk of ce_weight * CE(labels) + tv_weight * TV(p, q) + kl_weight * KL(p || q): (the sum over
+    its rows, its gradient wrt the student logits, sum_x min(p, q) = 1 - TV per row, the student's top
+    token per row); logits and teacher_logits [n, V] float32, labels [n] (valid ids), valid [n] float
+    (0: no CE term). d TV / d z_k = q_k (s_k - sum_j s_j q_j) / 2 with s = sign(q - p)."""
+    log_q = logits - torch.logsumexp(logits, -1, keepdim=True)
+    log_p = teacher_logits - torch.logsumexp(teacher_logits, -1, keepdim=True)
+    q, p = log_q.exp(), log_p.exp()
+    sign = (q - p).sign()
+    tv_rows = 0.5 * (q - p).abs().sum(-1)
+    loss = tv_weight * tv_rows.sum()
+    grad = (0.5 * tv_weight) * q * (sign - (sign * q).sum(-1, keepdim=True))
+    if kl_weight:
+        loss = loss + kl_weight * (p * (log_p - log_q)).sum()
+        grad = grad + kl_weight * (q - p)
+    if ce_weight:
+        loss = loss - ce_weight * (log_q.gather(1, labels[:, None])[:, 0] * valid).sum()
+        grad = (grad + ce_weight * q * valid[:, None]).scatter_add(1, labels[:, None], -ce_weight * valid[:, None])
+    return loss, grad, 1.0 - tv_rows, logits.argmax(-1)
 
-    d TV / d z_k = q_k (s_k - sum_j s_j q_j) / 2 with s = sign(q - p)."""
-    valid = labels != IGNORE_INDEX
+
+def _block_chunks(ht, wt, labels, ce_weight: float, tv_weight: float, kl_weight: float, accept, argmax,
+                  impl: str = "chunked"):
+    """:func:`_block_math` per chunk of rows, the teacher's logits from its inputs ``ht`` [N, Ht] and
+    weight ``wt`` [V, Ht]; fills ``accept`` [N] with sum_x min(p, q) = 1 - TV (the probability that
+    rejection sampling accepts the draft) and ``argmax`` [N] with the student's top token."""
+    valid = (labels != IGNORE_INDEX).float()
     safe = labels.clamp(min=0)
+    math = _runner(_block_math, impl)
 
     def block(s, logits):
         n = len(logits)
-        log_q = logits.sub_(torch.logsumexp(logits, -1, keepdim=True))
-        argmax[s : s + n] = log_q.argmax(-1)
-        vc = valid[s : s + n]
-        loss = ce_weight * -(log_q.gather(1, safe[s : s + n, None])[:, 0] * vc).sum()
-        log_p = (ht[s : s + n] @ wt.T).float()
-        log_p = log_p.sub_(torch.logsumexp(log_p, -1, keepdim=True))
-        p = log_p.exp()
-        if kl_weight:
-            loss = loss + kl_weight * (p.view(-1) @ log_p.sub_(log_q).view(-1))
-        q = log_q.exp_()
-        grad = (q - p).sign_()  # s, then the gradient in its buffer
-        tv_rows = 0.5 * ((q - p).abs_().sum(-1))
-        accept[s : s + n] = 1.0 - tv_rows
-        loss = loss + tv_weight * tv_rows.sum()
-        grad.sub_((grad * q).sum(-1, keepdim=True)).mul_(q).mul_(0.5 * tv_weight)
-        if kl_weight:
-            grad.add_(q, alpha=kl_weight).sub_(p, alpha=kl_weight)
-        if ce_weight:
-            grad.addcmul_(q, vc.to(q.dtype)[:, None], value=ce_weight)
-            rows = torch.nonzero(vc).flatten()
-            grad[rows, safe[s : s + n][rows]] -= ce_weight
+        teacher_logits = (ht[s : s + n] @ wt.T).float()
+        loss, grad, accept_rows, top = math(logits, teacher_logits, safe[s : s + n], valid[s : s + n],
+                                            ce_weight, tv_weight, kl_weight)
+        accept[s : s + n], argmax[s : s + n] = accept_rows, top
         return loss, grad
 
     return block
@@ -218,13 +251,13 @@ def _block_chunks(ht, wt, labels, ce_weight: float, tv_weight: float, kl_weight:
 
 class _ChunkedLinearBlock(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hs, ws, es, we, ht, wt, labels, weights, chunk: int):
+    def forward(ctx, hs, ws, es, we, ht, wt, labels, weights, chunk: int, impl: str):
         # student logits hs @ ws.T + es @ we.T (es [N, r], we [V, r]: a low-rank bias, or empty)
         accept = torch.empty(hs.shape[0], dtype=torch.float32, device=hs.device)
         argmax = torch.empty(hs.shape[0], dtype=torch.int64, device=hs.device)
         pairs = [(hs, ws), (es, we)] if es.numel() else [(hs, ws)]
         loss = _chunked_forward(ctx, pairs, chunk, max(hs.shape[0], 1),
-                                _block_chunks(ht, wt, labels, *weights, accept, argmax), n_extra=5,
+                                _block_chunks(ht, wt, labels, *weights, accept, argmax, impl), n_extra=6,
                                 need=ctx.needs_input_grad[: 2 * len(pairs)])
         ctx.n_extra += 2 * (2 - len(pairs))  # an empty bias pair takes no gradient
         ctx.mark_non_differentiable(accept, argmax)
@@ -239,8 +272,8 @@ class _ChunkedLinearBlock(torch.autograd.Function):
 
 
 def _use_liger(t: torch.Tensor, impl: str) -> bool:
-    if impl not in ("auto", "liger", "chunked"):
-        raise ValueError(f"loss impl {impl!r}: use auto, liger or chunked")
+    if impl not in IMPLS:
+        raise ValueError(f"loss impl {impl!r}: use one of {', '.join(IMPLS)}")
     return impl == "liger" or (impl == "auto" and t.is_cuda)
 
 
@@ -253,9 +286,9 @@ def linear_cross_entropy(h, w, labels, chunk_size: int = DEFAULT_CHUNK, impl: st
 
         return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)(w, h, labels)
     if not _needs_grad(h, w):
-        ce, denom = _ce_chunks(labels, row_weights)
+        ce, denom = _ce_chunks(labels, row_weights, impl)
         return _chunked_loss_only([(h, w)], chunk_size, denom, ce)
-    return _ChunkedLinearCE.apply(h, w, labels, row_weights, chunk_size)
+    return _ChunkedLinearCE.apply(h, w, labels, row_weights, chunk_size, impl)
 
 
 @torch.no_grad()
@@ -279,15 +312,18 @@ def linear_kl(hs, ws, ht, wt, chunk_size: int = DEFAULT_CHUNK, impl: str = "auto
 
         loss = LigerFusedLinearJSD(jsd_beta=0.0)(hs, ws, ht, wt, None)
         return (loss, linear_argmax(hs.detach(), ws.detach(), chunk_size)) if return_argmax else loss
-    return _chunked_kl(hs, ws, _linear_teacher(ht, wt), chunk_size, return_argmax)
+    return _chunked_kl(hs, ws, _linear_teacher(ht, wt), chunk_size, return_argmax, impl)
 
 
-def linear_kl_to(hs, ws, log_p, rows, chunk_size: int = DEFAULT_CHUNK, return_argmax: bool = False):
+def linear_kl_to(hs, ws, log_p, rows, chunk_size: int = DEFAULT_CHUNK, return_argmax: bool = False,
+                 impl: str = "chunked"):
     """:func:`linear_kl` against teacher log-probs computed once (:func:`teacher_log_probs`): row i's are
     ``log_p[rows[i]]`` (log_p [M, V] float32, rows [N]). For several losses over the same teacher rows, such
-    as EAGLE-3's training-time-test steps. The chunked path (Liger takes the teacher's inputs)."""
+    as EAGLE-3's training-time-test steps. The chunked path (Liger takes the teacher's inputs): ``impl``
+    ``compiled`` compiles its per-chunk arithmetic, any other name runs it eagerly."""
     assert hs.shape[0] == rows.shape[0] and ws.shape[0] == log_p.shape[1], (hs.shape, ws.shape, log_p.shape, rows.shape)
-    return _chunked_kl(hs, ws, _table_teacher(log_p, rows), chunk_size, return_argmax)
+    _use_liger(hs, impl)  # checks the name
+    return _chunked_kl(hs, ws, _table_teacher(log_p, rows), chunk_size, return_argmax, impl)
 
 
 @torch.no_grad()
@@ -300,23 +336,25 @@ def teacher_log_probs(ht, wt, chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
     return out
 
 
-def _chunked_kl(hs, ws, teacher, chunk_size: int, return_argmax: bool):
+def _chunked_kl(hs, ws, teacher, chunk_size: int, return_argmax: bool, impl: str):
     argmax = torch.empty(hs.shape[0], dtype=torch.int64, device=hs.device) if return_argmax else None
     if not _needs_grad(hs, ws):
-        loss = _chunked_loss_only([(hs, ws)], chunk_size, max(hs.shape[0], 1), _kl_chunks(teacher, argmax))
+        loss = _chunked_loss_only([(hs, ws)], chunk_size, max(hs.shape[0], 1), _kl_chunks(teacher, argmax, impl))
     else:
-        loss = _ChunkedLinearKL.apply(hs, ws, teacher, chunk_size, argmax)
+        loss = _ChunkedLinearKL.apply(hs, ws, teacher, chunk_size, argmax, impl)
     return (loss, argmax) if return_argmax else loss
 
 
 def linear_block_distill(hs, ws, ht, wt, labels, ce_weight: float = 0.1, tv_weight: float = 0.9,
-                         kl_weight: float = 0.0, chunk_size: int = DEFAULT_CHUNK, bias_in=None, bias_w=None):
+                         kl_weight: float = 0.0, chunk_size: int = DEFAULT_CHUNK, bias_in=None, bias_w=None,
+                         impl: str = "chunked"):
     """Mean over rows of ce_weight * CE(q, labels) + tv_weight * TV(p, q) + kl_weight * KL(p || q), with
     q = softmax(hs @ ws.T [+ bias_in @ bias_w.T]) the student (an optional low-rank bias: bias_in [N, r],
     bias_w [V, r]) and p = softmax(ht @ wt.T) the teacher (no gradient); labels [N] (IGNORE_INDEX: no CE
     term). Returns (loss, accept [N] = sum_x min(p, q), student argmax [N]).
 
-    The chunked torch path on every device (Liger has no total-variation loss)."""
+    The chunked torch path on every device (Liger has no total-variation loss): ``impl`` ``compiled``
+    compiles its per-chunk arithmetic, any other name runs it eagerly."""
     assert hs.shape[0] == ht.shape[0] == labels.shape[0] and ws.shape[0] == wt.shape[0], (
         hs.shape, ws.shape, ht.shape, wt.shape, labels.shape)
     ht, wt = ht.detach(), wt.detach()
@@ -324,12 +362,12 @@ def linear_block_distill(hs, ws, ht, wt, labels, ce_weight: float = 0.1, tv_weig
     if bias_in is None:
         bias_in, bias_w = hs.new_zeros(0), ws.new_zeros(0)
     if _needs_grad(hs, ws, bias_in, bias_w):
-        return _ChunkedLinearBlock.apply(hs, ws, bias_in, bias_w, ht, wt, labels, weights, chunk_size)
+        return _ChunkedLinearBlock.apply(hs, ws, bias_in, bias_w, ht, wt, labels, weights, chunk_size, impl)
     accept = torch.empty(hs.shape[0], dtype=torch.float32, device=hs.device)
     argmax = torch.empty(hs.shape[0], dtype=torch.int64, device=hs.device)
     pairs = [(hs, ws), (bias_in, bias_w)] if bias_in.numel() else [(hs, ws)]
     loss = _chunked_loss_only(pairs, chunk_size, max(hs.shape[0], 1),
-                              _block_chunks(ht, wt, labels, *weights, accept, argmax))
+                              _block_chunks(ht, wt, labels, *weights, accept, argmax, impl))
     return loss, accept, argmax
 
 
@@ -469,7 +507,7 @@ def eagle3_loss(
                                 return_argmax=True, **kw)
         else:
             kl, got = linear_kl_to(out[in_vocab], student_w, table, shift_left(slot, 1 + j, fill=-1)[in_vocab],
-                                   chunk_size=chunk, return_argmax=True)
+                                   chunk_size=chunk, return_argmax=True, impl=kw.get("impl", "chunked"))
         # a target token outside the draft vocabulary is a miss: hits over every scored position
         accs.append(((got == want[in_vocab]).sum() / m.sum()).item())
         total = total + (decay**j) * kl

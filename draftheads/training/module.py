@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import shutil
 import time
 
 import lightning as L
@@ -20,7 +22,7 @@ from draftheads.heads.base import HEAD_FILES, save_head_dir
 from draftheads.inference.metrics import simulated_tau
 from draftheads.targets import freeze, hidden_states, load_target
 from draftheads.training.data import answer_window, doc_causal_mask
-from draftheads.training.losses import linear_argmax
+from draftheads.training.losses import IMPLS, linear_argmax
 from draftheads.utils import check_output_dir
 
 log = logging.getLogger(__name__)
@@ -80,7 +82,9 @@ class DraftHeadModule(L.LightningModule):
                 head: training goes on from its weights with a fresh optimizer and schedule (more epochs
                 for a trained head, or an imported public head fine-tuned on this data). Its config and
                 draft vocabulary are kept, so the family's options that shape a new head are not used.
-            loss_impl: ``auto`` (Liger on CUDA, chunked torch elsewhere), ``liger`` or ``chunked``.
+            loss_impl: ``auto`` (Liger on CUDA, chunked torch elsewhere), ``liger``, ``chunked`` or
+                ``compiled`` (chunked, each chunk's softmax arithmetic fused by torch.compile: faster on
+                CPU, after a compile of some seconds at the first step).
             loss_chunk_size: rows per chunk of the chunked loss.
             val_answer_window: validation also reports the accuracies over the first this many tokens of
                 each answer, the part a ``--max-new-tokens`` evaluation of that length drafts for (long
@@ -94,6 +98,12 @@ class DraftHeadModule(L.LightningModule):
             raise DraftheadsError(f"model.lr={lr} must be > 0")
         if not 0 <= warmup_ratio < 1:
             raise DraftheadsError(f"model.warmup_ratio={warmup_ratio} must be in [0, 1)")
+        if loss_impl not in IMPLS:
+            raise DraftheadsError(f"model.loss_impl={loss_impl!r}: use one of {', '.join(IMPLS)}")
+        if loss_impl == "compiled" and not torch.cuda.is_available() and not any(
+                shutil.which(c) for c in (os.environ.get("CXX", "g++"), "c++", "clang++")):
+            raise DraftheadsError("model.loss_impl=compiled needs a C++ compiler for torch.compile on CPU (none of "
+                                  "$CXX, g++, c++, clang++ found): install one, or use model.loss_impl: chunked")
         if val_answer_window < 0:
             raise DraftheadsError(f"model.val_answer_window={val_answer_window} must be >= 0 (0: off)")
         if head_dir:  # checked now, not after the training it would end

@@ -9,6 +9,7 @@ from draftheads.training.losses import (
     linear_block_distill,
     linear_cross_entropy,
     linear_kl,
+    linear_kl_to,
     linear_token_nll,
     medusa_loss,
     plain_linear_block_distill,
@@ -270,3 +271,39 @@ def test_warmup_is_a_ratio_of_the_steps():
         assert warmup_cosine(warm - 1, total, 0.1, 0.1) == pytest.approx(1.0)
         assert warmup_cosine(total, total, 0.1, 0.1) == pytest.approx(0.1)
     assert warmup_cosine(0, 50, 0.0, 0.2) == pytest.approx(1.0)
+
+
+def test_compiled_chunks_equal_the_eager_ones():
+    """impl="compiled": CE, KL (from a teacher's inputs and from a table of its log-probs) and the block
+    loss give the eager chunked path's loss, gradients, argmax and acceptance, with a last chunk shorter
+    than the others and chunks of another length later (one compile for any number of rows)."""
+    torch.manual_seed(5)
+    hs, ws = torch.randn(29, 12), torch.randn(37, 12)
+    ht, wt = torch.randn(29, 10), torch.randn(37, 10)
+    labels = torch.randint(0, 37, (29,))
+    labels[::4] = IGNORE_INDEX
+    table = torch.log_softmax(ht @ wt.T, -1)
+    rows = torch.randperm(29)
+    for chunk in (8, 5):
+        for loss in (
+            lambda a, b, impl, chunk: linear_cross_entropy(a, b, labels, chunk_size=chunk, impl=impl),
+            lambda a, b, impl, chunk: linear_kl(a, b, ht, wt, chunk_size=chunk, impl=impl, return_argmax=True),
+            lambda a, b, impl, chunk: linear_kl_to(a, b, table, rows, chunk_size=chunk, impl=impl, return_argmax=True),
+            lambda a, b, impl, chunk: linear_block_distill(a, b, ht, wt, labels, 0.2, 0.7, 0.1, chunk_size=chunk, impl=impl),
+        ):
+            outs = {}
+            for impl in ("chunked", "compiled"):
+                a, b = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+                out = loss(a, b, impl, chunk)
+                out = out if isinstance(out, tuple) else (out,)
+                out[0].backward()
+                outs[impl] = out, a.grad, b.grad
+            (eager, *grads), (compiled, *grads_c) = outs["chunked"], outs["compiled"]
+            _close(compiled[0].detach(), eager[0].detach())
+            for x, y in zip(compiled[1:], eager[1:]):
+                if x.dtype == torch.int64:
+                    assert torch.equal(x, y)
+                else:
+                    _close(x, y)
+            for x, y in zip(grads_c, grads):
+                _close(x, y)

@@ -57,10 +57,11 @@ def _weights(workdir, run):
 
 @pytest.mark.parametrize("model,extra", [
     ("EagleModule", {"feature_noise": 0.2}),
-    ("Eagle3Module", {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3], "draft_vocab_size": 384}),
+    ("Eagle3Module", {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3], "draft_vocab_size": 384, "loss_impl": "compiled"}),
     ("MedusaModule", {"num_heads": 2, "draft_vocab_size": 40}),
     ("DFlashModule", {"block_size": 4, "anchors_per_row": 6, "num_layers": 2, "target_layer_ids": [1, 3]}),
-    ("DSparkModule", {"block_size": 4, "anchors_per_row": 6, "target_layer_ids": [1, 3], "markov_rank": 8}),
+    ("DSparkModule", {"block_size": 4, "anchors_per_row": 6, "target_layer_ids": [1, 3], "markov_rank": 8,
+                      "loss_impl": "compiled"}),
 ])
 def test_interrupted_and_resumed_equals_uninterrupted(workdir, model, extra):
     full = _config(workdir, f"full-{model}", model, 2, extra)
@@ -172,6 +173,21 @@ def test_unknown_config_key_names_the_key(workdir, capsys):
     assert main(["fit", "--config", str(cfg)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "not_a_knob" in err[0], err
+
+
+def test_unknown_loss_impl_names_the_choices(workdir, capsys):
+    cfg = _config(workdir, "bad-impl", "Eagle3Module", 1, {"loss_impl": "fast"})
+    assert main(["fit", "--config", str(cfg)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: model.loss_impl='fast'") and "compiled" in err[0], err
+
+
+def test_compiled_loss_without_a_compiler_says_so(workdir, capsys, monkeypatch):
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    cfg = _config(workdir, "no-cxx", "Eagle3Module", 1, {"loss_impl": "compiled"})
+    assert main(["fit", "--config", str(cfg)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: model.loss_impl=compiled needs a C++ compiler"), err
 
 
 def test_nan_loss_stops_with_step_and_checkpoint(workdir, tmp_path, capsys):
