@@ -59,6 +59,14 @@ def _measure(kind: str, loss: str, vocab: int, hidden: int, tokens: int, device:
     w = torch.randn(vocab, hidden, device=device) * 0.02  # frozen lm_head
     labels = torch.randint(0, vocab, (tokens,), device=device)
     ht = torch.randn(tokens, hidden, device=device)
+    impl = {"fused": "auto", "compiled": "compiled"}.get(kind)
+
+    def fused():
+        return linear_cross_entropy(h, w, labels, impl=impl) if loss == "ce" else linear_kl(h, w, ht, w, impl=impl)
+
+    if kind == "compiled":  # compiled by a first call, not measured
+        fused().backward()
+        h.grad = None
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -66,10 +74,10 @@ def _measure(kind: str, loss: str, vocab: int, hidden: int, tokens: int, device:
     else:
         base = _reset_rss_peak()
     t0 = time.perf_counter()
-    if loss == "ce":
-        out = plain_linear_cross_entropy(h, w, labels) if kind == "plain" else linear_cross_entropy(h, w, labels)
+    if kind == "plain":
+        out = plain_linear_cross_entropy(h, w, labels) if loss == "ce" else plain_linear_kl(h, w, ht, w)
     else:
-        out = plain_linear_kl(h, w, ht, w) if kind == "plain" else linear_kl(h, w, ht, w)
+        out = fused()
     out.backward()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -86,7 +94,7 @@ def run(tokens: int = 4096, device: str | None = None, progress=print, cases: di
     for vocab, hidden in cases.items():
         row = {"hidden": hidden}
         for loss in ("ce", "kl"):
-            for kind in ("plain", "fused"):
+            for kind in ("plain", "fused") + (("compiled",) if device == "cpu" else ()):
                 args = json.dumps([kind, loss, vocab, hidden, tokens, device])
                 code = f"import json; from draftheads.bench.loss_memory import _measure; print(json.dumps(_measure(*json.loads({args!r}))))"
                 env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}  # large tensors: mmap'd, unmapped on free
@@ -103,14 +111,17 @@ def run(tokens: int = 4096, device: str | None = None, progress=print, cases: di
 def table(results: dict) -> str:
     lines = [
         f"loss memory, {results['tokens']} tokens, {results['device']} ({results['impl']} fused path)",
-        "| vocab | hidden | loss | plain MB | fused MB | fused/plain | plain s | fused s | |loss diff| |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| vocab | hidden | loss | plain MB | fused MB | fused/plain | plain s | fused s | |loss diff| "
+        "| compiled MB | compiled s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v, row in results["vocab"].items():
         for loss in ("ce", "kl"):
             p, f = row[f"{loss}_plain"], row[f"{loss}_fused"]
+            c = row.get(f"{loss}_compiled")  # CPU only, timed after the call that compiled it
             lines.append(
                 f"| {v} | {row['hidden']} | {loss} | {p['peak_mb']:.0f} | {f['peak_mb']:.0f} | "
-                f"{row[f'{loss}_ratio']:.1%} | {p['time_s']:.2f} | {f['time_s']:.2f} | {abs(p['loss'] - f['loss']):.2e} |"
+                f"{row[f'{loss}_ratio']:.1%} | {p['time_s']:.2f} | {f['time_s']:.2f} | {abs(p['loss'] - f['loss']):.2e} | "
+                + (f"{c['peak_mb']:.0f} | {c['time_s']:.2f} |" if c else "- | - |")
             )
     return "\n".join(lines)

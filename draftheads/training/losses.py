@@ -118,8 +118,8 @@ def _ce_math(logits, labels, scale):
     labels [n] (valid ids), scale [n] (0 for ignored rows)."""
     log_q = logits - torch.logsumexp(logits, -1, keepdim=True)
     loss = -(log_q.gather(1, labels[:, None])[:, 0] * scale).sum()
-    grad = log_q.exp() * scale[:, None]
-    return loss, grad.scatter_add(1, labels[:, None], -scale[:, None])
+    grad = log_q.exp_().mul_(scale[:, None])  # in log_q's buffer
+    return loss, grad.scatter_add_(1, labels[:, None], -scale[:, None])
 
 
 def _ce_chunks(labels, row_weights=None, impl: str = "chunked"):
@@ -156,7 +156,8 @@ def _kl_math(logits, log_p):
     student's top token per row); logits [n, V] and the teacher's log-probs log_p [n, V], float32."""
     log_q = logits - torch.logsumexp(logits, -1, keepdim=True)
     p = log_p.exp()
-    return (p * (log_p - log_q)).sum(), log_q.exp() - p, logits.argmax(-1)
+    loss = p.view(-1) @ (log_p - log_q).view(-1)
+    return loss, log_q.exp_().sub_(p), logits.argmax(-1)  # the gradient in log_q's buffer
 
 
 def _kl_chunks(teacher, argmax=None, impl: str = "chunked"):
@@ -213,19 +214,22 @@ def _block_math(logits, teacher_logits, labels, valid, ce_weight: float, tv_weig
     its rows, its gradient wrt the student logits, sum_x min(p, q) = 1 - TV per row, the student's top
     token per row); logits and teacher_logits [n, V] float32, labels [n] (valid ids), valid [n] float
     (0: no CE term). d TV / d z_k = q_k (s_k - sum_j s_j q_j) / 2 with s = sign(q - p)."""
+    # in-place steps reuse this function's own buffers (never its inputs): few chunk-sized buffers when eager
     log_q = logits - torch.logsumexp(logits, -1, keepdim=True)
     log_p = teacher_logits - torch.logsumexp(teacher_logits, -1, keepdim=True)
-    q, p = log_q.exp(), log_p.exp()
-    sign = (q - p).sign()
-    tv_rows = 0.5 * (q - p).abs().sum(-1)
-    loss = tv_weight * tv_rows.sum()
-    grad = (0.5 * tv_weight) * q * (sign - (sign * q).sum(-1, keepdim=True))
+    p = log_p.exp()
+    loss = -ce_weight * (log_q.gather(1, labels[:, None])[:, 0] * valid).sum()
     if kl_weight:
-        loss = loss + kl_weight * (p * (log_p - log_q)).sum()
-        grad = grad + kl_weight * (q - p)
+        loss = loss + kl_weight * (p.view(-1) @ log_p.sub_(log_q).view(-1))
+    q = log_q.exp_()
+    grad = (q - p).sign_()  # s, then the gradient in its buffer
+    tv_rows = 0.5 * (q - p).abs_().sum(-1)
+    loss = loss + tv_weight * tv_rows.sum()
+    grad.sub_((grad * q).sum(-1, keepdim=True)).mul_(q).mul_(0.5 * tv_weight)
+    if kl_weight:
+        grad.add_(q, alpha=kl_weight).sub_(p, alpha=kl_weight)
     if ce_weight:
-        loss = loss - ce_weight * (log_q.gather(1, labels[:, None])[:, 0] * valid).sum()
-        grad = (grad + ce_weight * q * valid[:, None]).scatter_add(1, labels[:, None], -ce_weight * valid[:, None])
+        grad.addcmul_(q, valid[:, None], value=ce_weight).scatter_add_(1, labels[:, None], -ce_weight * valid[:, None])
     return loss, grad, 1.0 - tv_rows, logits.argmax(-1)
 
 
