@@ -10,7 +10,8 @@
    arithmetic run eagerly (``loss_impl: chunked``) or compiled (``loss_impl: compiled``; its compile is
    timed apart).
 
-Rows of --tokens tokens holding three documents, all answer tokens. Prints seconds per call and the
+Rows of --tokens tokens packed with documents of 200-500 tokens, cut at other places in each row, all
+answer tokens. Prints seconds per call and the
 largest differences, and writes JSON to --out."""
 
 import argparse
@@ -26,6 +27,15 @@ from draftheads.training.data import doc_causal_mask
 from draftheads.training.losses import eagle3_loss
 
 HIDDEN, DRAFT_VOCAB = 576, 8192
+
+
+def packed_docs(b: int, t: int) -> torch.Tensor:
+    """[B, T] document ids of rows packed with documents of 200-500 tokens, cut at other places in each
+    row (as packed conversations are)."""
+    g = torch.Generator().manual_seed(2)
+    lengths = torch.randint(200, 501, (b, t // 200 + 1), generator=g)
+    ends = lengths.cumsum(1)
+    return torch.searchsorted(ends, torch.arange(t).expand(b, t).contiguous(), right=True)
 
 
 def timed(fn, repeats: int) -> tuple[float, float, object]:
@@ -77,7 +87,7 @@ class Step:
         self.autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
         self.aux, self.emb = torch.randn(b, t, 3 * HIDDEN, generator=g), torch.randn(b, t, HIDDEN, generator=g)
         self.pos = torch.arange(t).expand(b, t)
-        self.doc = (torch.arange(t) * 3 // t).expand(b, t)
+        self.doc = packed_docs(b, t)
         self.last = torch.randn(b, t, HIDDEN, generator=g)
         self.teacher = torch.randn(DRAFT_VOCAB, HIDDEN, generator=g) * 0.05
         self.argmax = torch.randint(0, DRAFT_VOCAB, (b, t), generator=g)
@@ -143,7 +153,7 @@ def main():
     parts = set(args.parts.split(","))
     res = {**vars(args), "threads": torch.get_num_threads()}
     if "attention" in parts:
-        mask = doc_causal_mask((torch.arange(t) * 3 // t).expand(b, t), dtype=dtype)
+        mask = doc_causal_mask(packed_docs(b, t), dtype=dtype)
         res["attention"] = attention(mask, dtype, b, t, args.repeats)
     step = Step(dtype, b, t, args.ttt_steps)
     if "ttt" in parts:

@@ -129,7 +129,7 @@ class Eagle3Head(nn.Module):
         for j in range(steps):
             # step j's token at t reads step 0's entries up to t and its own position's entries of steps 1..j
             if j == 0:
-                hidden, kv = self.forward(step_embeds(0), hidden, position_ids, mask=prefix_mask)
+                hidden, kv = self.forward(step_embeds(0), hidden, position_ids, mask=prefix_mask, own_kv=([], []))
                 prefix_kv = kv
             else:
                 hidden, kv = self.forward(step_embeds(j), hidden, position_ids + j, mask=prefix_mask,

@@ -150,26 +150,30 @@ def prefix_and_own_attention(q: torch.Tensor, prefix: tuple, own: tuple, mask: t
     steps' entries at its own position). The same as :func:`masked_own_attention`, one attention over
     S + n T keys with diagonal own-position blocks in its mask, but taken block by block of ``block``
     query rows (default ``OWN_BLOCK``, at most ``OWN_BLOCKS`` blocks a row): a block reads the prefix
-    keys up to the last one any of its rows sees (about half of them under a causal mask) and its own
-    rows of ``own``, n * block keys instead of n T. Returns [B, h, T, D]."""
+    keys from the first to the last one any of its rows sees (under a causal mask over packed documents,
+    about half of its document's) and its own rows of ``own``, n * block keys instead of n T.
+    Returns [B, h, T, D]."""
     b, h, t, d = q.shape
     s = prefix[0].shape[2]
     n, c = len(own[0]), min(max(block or OWN_BLOCK, -(-t // OWN_BLOCKS)), t)
     mask = mask.expand(b, 1, t, s)
     seen = mask[:, 0] > torch.finfo(mask.dtype).min / 2  # [B, T, S]
-    needed = torch.where(seen, torch.arange(1, s + 1, device=mask.device), 0).amax(-1).amax(0)  # [T]
-    ends = F.pad(needed, (0, -t % c)).view(-1, c).amax(1).tolist()  # prefix keys each block reads
+    keys_at = torch.arange(s, device=mask.device)
+    last = torch.where(seen, keys_at + 1, 0).amax(-1).amax(0)  # [T]: one past the last key a row sees
+    first = torch.where(seen, keys_at, s).amin(-1).amin(0)  # [T]: the first (S where it sees none)
+    ends = F.pad(last, (0, -t % c)).view(-1, c).amax(1).tolist()  # the prefix keys each block reads
+    starts = F.pad(first, (0, -t % c), value=s).view(-1, c).amin(1).tolist()
     rep = h // prefix[0].shape[1]
     eye = torch.full((c, c), float("-inf"), dtype=mask.dtype, device=mask.device).fill_diagonal_(0.0)
     outs = []
-    for i, e in zip(range(0, t, c), ends):
-        j = min(i + c, t)
-        keys = torch.cat([prefix[0][:, :, :e], *[k[:, :, i:j] for k in own[0]]], 2)  # [B, kvh, e + n r, D]
-        values = torch.cat([prefix[1][:, :, :e], *[v[:, :, i:j] for v in own[1]]], 2)
+    for i, a, e in zip(range(0, t, c), starts, ends):
+        j, a = min(i + c, t), min(a, e)
+        keys = torch.cat([prefix[0][:, :, a:e], *[k[:, :, i:j] for k in own[0]]], 2)  # [B, kvh, e - a + n r, D]
+        values = torch.cat([prefix[1][:, :, a:e], *[v[:, :, i:j] for v in own[1]]], 2)
         if rep > 1:  # K/V heads repeated, as the uncached path of DraftAttention does
             keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
         diag = eye[: j - i, : j - i].repeat(1, n).expand(b, 1, j - i, n * (j - i))
-        m = torch.cat([mask[:, :, i:j, :e], diag], -1)
+        m = torch.cat([mask[:, :, i:j, a:e], diag], -1)
         outs.append(F.scaled_dot_product_attention(q[:, :, i:j], keys, values, attn_mask=m))
     return torch.cat(outs, 2)
 
@@ -187,8 +191,10 @@ class DraftAttention(nn.Module):
         """x [B, T, in]; mask additive [B or 1, 1, T, S] over keys (past, new, extra) or None = causal.
         With ``cache`` (a :class:`~draftheads.inference.draft_kv.DraftStep`) the new K/V are written
         there and the keys are the cache's, S of them, instead of ``past_kv``/``extra_kv``. With
-        ``own_kv`` (lists of [B, kvh, T, D]) ``mask`` covers ``past_kv`` only, and each query also reads
-        its own position of the new K/V and of ``own_kv`` (:func:`prefix_and_own_attention`).
+        ``own_kv`` (lists of [B, kvh, T, D]) attention goes through :func:`prefix_and_own_attention`:
+        ``mask`` covers ``past_kv`` only, and each query also reads its own position of the new K/V and
+        of ``own_kv``; without ``past_kv``, ``mask`` covers the new K/V and each query reads its own
+        position of ``own_kv`` (``([], [])``: the masked attention over the new K/V, taken in blocks).
 
         Returns (out [B, T, H], (k, v)) with k/v [B, kvh, T, D] for the new tokens only.
         """
@@ -199,7 +205,10 @@ class DraftAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         new_kv = (k, v)
         if own_kv is not None:
-            out = prefix_and_own_attention(q, past_kv, ([k, *own_kv[0]], [v, *own_kv[1]]), mask)
+            if past_kv is None:
+                out = prefix_and_own_attention(q, (k, v), own_kv, mask)
+            else:
+                out = prefix_and_own_attention(q, past_kv, ([k, *own_kv[0]], [v, *own_kv[1]]), mask)
             return self.o_proj(out.transpose(1, 2).reshape(b, t, self.h * self.d)), new_kv
         if cache is not None:
             k_all, v_all = cache.update(k, v)

@@ -101,9 +101,10 @@ def test_eagle3_ttt_equals_step_by_step_drafting(monkeypatch, block):
 
 
 def test_prefix_and_own_attention_equals_one_masked_attention():
-    """Blocks of query rows (the last one shorter), GQA, two documents, a row and then every row seeing no
-    prefix key: the output and every gradient equal one attention over all keys with diagonal own-position
-    blocks."""
+    """Blocks of query rows (the last one shorter), GQA, rows of one and of two documents, rows whose
+    documents start at the same place (blocks past it read no earlier key), a row and then every row seeing
+    no prefix key, and no own-position keys at all (the masked attention in blocks): the output and every
+    gradient equal one attention over all keys with diagonal own-position blocks."""
     import torch.nn.functional as F
 
     from draftheads.heads.layers import prefix_and_own_attention
@@ -111,13 +112,14 @@ def test_prefix_and_own_attention_equals_one_masked_attention():
     g = torch.Generator().manual_seed(0)
     b, h, kvh, t, d = 2, 4, 2, 10, 8
     leaf = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
-    doc = torch.tensor([[0] * 6 + [1] * 4, [0] * 10])
     pos = torch.arange(t)
-    seen = (doc[:, :, None] == doc[:, None]) & (pos[:, None] >= pos[None])
-    seen[1, 7] = False  # a row whose own-position keys are all it sees
-    mask = torch.zeros(b, 1, t, t, dtype=torch.float64).masked_fill(~seen[:, None], float("-inf"))
     diag = torch.full((t, t), float("-inf"), dtype=torch.float64).fill_diagonal_(0.0).expand(b, 1, t, t)
-    for n in (1, 3):  # one own-position key takes the masked form, more the query blocks
+    for n, doc in ((0, [[0] * 3 + [1] * 7, [0] * 6 + [1] * 4]), (1, [[0] * 6 + [1] * 4, [0] * 10]),
+                   (2, [[0] * 3 + [1] * 7, [0] * 3 + [1] * 7]), (3, [[0] * 6 + [1] * 4, [0] * 10])):
+        doc = torch.tensor(doc)
+        seen = (doc[:, :, None] == doc[:, None]) & (pos[:, None] >= pos[None])
+        seen[1, 7] = n == 0  # a row whose own-position keys are all it sees (with none: one that sees every key)
+        mask = torch.zeros(b, 1, t, t, dtype=torch.float64).masked_fill(~seen[:, None], float("-inf"))
         q, pk, pv = leaf(b, h, t, d), leaf(b, kvh, t, d), leaf(b, kvh, t, d)
         ok, ov = [leaf(b, kvh, t, d) for _ in range(n)], [leaf(b, kvh, t, d) for _ in range(n)]
         leaves = [q, pk, pv, *ok, *ov]
