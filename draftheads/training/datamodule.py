@@ -120,6 +120,8 @@ class ChatDataModule(L.LightningDataModule):
             rows = torch.tensor(ds.indices)
             ds = ds.dataset
         if isinstance(ds, FeatureDataset):
+            if len(ds) == 0:  # a cache without this split (distill --val-fraction 0)
+                return token_counts([], vocab_size)
             ids, marks = torch.cat(list(ds.column("input_ids"))), torch.cat(list(ds.column(key)))
             if rows is not None:
                 ids, marks = ids[rows], marks[rows]

@@ -156,3 +156,23 @@ def test_offline_features_equal_online(tiny_llama_dir, tmp_path):
     torch.testing.assert_close(batch["feat_4"], online[4])
     torch.testing.assert_close(batch["feat_1"], online[1])
     assert torch.equal(batch["target_argmax"], logits.argmax(-1))
+
+
+def test_a_feature_cache_without_a_validation_split_counts_no_val_tokens(tiny_llama_dir, tmp_path):
+    """distill/cache-features --val-fraction 0: the draft vocabulary's held-out counts are empty (sized on
+    the training targets), not a crash."""
+    from draftheads.cli import main as cli
+    from draftheads.heads.vocab import build_draft_vocab
+    from draftheads.training.datamodule import ChatDataModule
+
+    rows = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"answer number {i}"}]}
+            for i in range(4)]
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "feats"
+    assert cli(["cache-features", "--target", str(tiny_llama_dir), "--data", str(f), "--layers", "1,2",
+                "--max-length", "32", "--val-fraction", "0", "--out", str(out)]) == 0
+    dm = ChatDataModule(target=str(tiny_llama_dir), feature_dir=str(out), batch_size=2)
+    train, val = dm.token_counts(384), dm.token_counts(384, split="val")
+    assert int(train.sum()) > 0 and int(val.sum()) == 0
+    assert build_draft_vocab(train, coverage=0.9, held_out=val).held_out_coverage is None
