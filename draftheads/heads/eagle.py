@@ -55,11 +55,11 @@ class EagleHead(nn.Module):
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
 
-    def forward(self, embeds, features, position_ids, mask=None, past_kv=None, extra_kv=None, cache=None):
+    def forward(self, embeds, features, position_ids, mask=None, past_kv=None, cache=None):
         """embeds, features [B, T, H]; position_ids [B, T] -> (f̂ [B, T, H], new (k, v))."""
         x = self.fc(torch.cat([embeds, features], dim=-1))
         cos, sin = self.rotary(x, position_ids)
-        return self.layers[0](x, cos, sin, mask=mask, past_kv=past_kv, extra_kv=extra_kv, cache=cache)
+        return self.layers[0](x, cos, sin, mask=mask, past_kv=past_kv, cache=cache)
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
         """Input of the vocabulary projection (EAGLE-1 has no final norm)."""

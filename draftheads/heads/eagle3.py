@@ -93,16 +93,14 @@ class Eagle3Head(nn.Module):
         w = self.fc.weight
         return (w.unflatten(1, (3, -1)) / self.aux_scale.to(w.dtype)[None, :, None]).flatten(1)
 
-    def forward(self, embeds, hidden, position_ids, mask=None, past_kv=None, extra_kv=None, cache=None,
-                own_kv=None):
+    def forward(self, embeds, hidden, position_ids, mask=None, past_kv=None, cache=None, own_kv=None):
         """One drafting step. embeds, hidden [B, T, H] -> (pre-norm hidden [B, T, H], new (k, v)); the
         keys as in :meth:`~draftheads.heads.layers.DraftAttention.forward`."""
         cos, sin = self.rotary(hidden, position_ids)
         layer = self.layers[0]
         if self.config.norm_before_residual:
             hidden = layer.hidden_norm(hidden)
-        return layer(hidden, cos, sin, embeds=embeds, mask=mask, past_kv=past_kv, extra_kv=extra_kv, cache=cache,
-                     own_kv=own_kv)
+        return layer(hidden, cos, sin, embeds=embeds, mask=mask, past_kv=past_kv, cache=cache, own_kv=own_kv)
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden)

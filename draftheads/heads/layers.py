@@ -129,15 +129,20 @@ OWN_BLOCKS = 8
 """Most blocks a row is cut into (one attention call each)."""
 
 
+def repeat_kv(keys: torch.Tensor, values: torch.Tensor, rep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V [B, kvh, S, D] with each head repeated ``rep`` times for the query heads (grouped-query attention)."""
+    if rep == 1:
+        return keys, values
+    return keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+
+
 def masked_own_attention(q: torch.Tensor, prefix: tuple, own: tuple, mask: torch.Tensor) -> torch.Tensor:
     """:func:`prefix_and_own_attention` as one attention over S + n T keys, every own-position block masked
     to its diagonal."""
     b, h, t, _ = q.shape
     diag = torch.full((t, t), float("-inf"), dtype=mask.dtype, device=mask.device).fill_diagonal_(0.0)
-    keys, values = torch.cat([prefix[0], *own[0]], 2), torch.cat([prefix[1], *own[1]], 2)
-    rep = h // keys.shape[1]
-    if rep > 1:
-        keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+    keys, values = repeat_kv(torch.cat([prefix[0], *own[0]], 2), torch.cat([prefix[1], *own[1]], 2),
+                             h // prefix[0].shape[1])
     m = torch.cat([mask.expand(b, 1, t, -1), *[diag.expand(b, 1, t, t)] * len(own[0])], -1)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=m)
 
@@ -170,8 +175,7 @@ def prefix_and_own_attention(q: torch.Tensor, prefix: tuple, own: tuple, mask: t
         j, a = min(i + c, t), min(a, e)
         keys = torch.cat([prefix[0][:, :, a:e], *[k[:, :, i:j] for k in own[0]]], 2)  # [B, kvh, e - a + n r, D]
         values = torch.cat([prefix[1][:, :, a:e], *[v[:, :, i:j] for v in own[1]]], 2)
-        if rep > 1:  # K/V heads repeated, as the uncached path of DraftAttention does
-            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+        keys, values = repeat_kv(keys, values, rep)  # as the uncached path of DraftAttention does
         diag = eye[: j - i, : j - i].repeat(1, n).expand(b, 1, j - i, n * (j - i))
         m = torch.cat([mask[:, :, i:j, a:e], diag], -1)
         outs.append(F.scaled_dot_product_attention(q[:, :, i:j], keys, values, attn_mask=m))
@@ -187,10 +191,10 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.kvh * self.d, bias=False)
         self.o_proj = nn.Linear(self.h * self.d, spec.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask=None, past_kv=None, extra_kv=None, cache=None, own_kv=None):
-        """x [B, T, in]; mask additive [B or 1, 1, T, S] over keys (past, new, extra) or None = causal.
+    def forward(self, x, cos, sin, mask=None, past_kv=None, cache=None, own_kv=None):
+        """x [B, T, in]; mask additive [B or 1, 1, T, S] over keys (past, new) or None = causal.
         With ``cache`` (a :class:`~draftheads.inference.draft_kv.DraftStep`) the new K/V are written
-        there and the keys are the cache's, S of them, instead of ``past_kv``/``extra_kv``. With
+        there and the keys are the cache's, S of them, instead of ``past_kv``. With
         ``own_kv`` (lists of [B, kvh, T, D]) attention goes through :func:`prefix_and_own_attention`:
         ``mask`` covers ``past_kv`` only, and each query also reads its own position of the new K/V and
         of ``own_kv``; without ``past_kv``, ``mask`` covers the new K/V and each query reads its own
@@ -215,19 +219,9 @@ class DraftAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask=mask,
                                                  enable_gqa=self.h != self.kvh)
             return self.o_proj(out.transpose(1, 2).reshape(b, t, self.h * self.d)), new_kv
-        keys, vals = [k], [v]
-        if past_kv is not None:
-            keys.insert(0, past_kv[0])
-            vals.insert(0, past_kv[1])
-        if extra_kv is not None:
-            keys.extend(extra_kv[0])
-            vals.extend(extra_kv[1])
-        k_all, v_all = torch.cat(keys, 2), torch.cat(vals, 2)
-        rep = self.h // self.kvh
-        if rep > 1:
-            k_all = k_all.repeat_interleave(rep, dim=1)
-            v_all = v_all.repeat_interleave(rep, dim=1)
-        if mask is None and past_kv is None and extra_kv is None:
+        k_all, v_all = (k, v) if past_kv is None else (torch.cat([past_kv[0], k], 2), torch.cat([past_kv[1], v], 2))
+        k_all, v_all = repeat_kv(k_all, v_all, self.h // self.kvh)
+        if mask is None and past_kv is None:
             out = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=True)
         else:
             out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
@@ -267,15 +261,13 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
         self.mlp = DraftMLP(spec)
 
-    def forward(self, hidden, cos, sin, embeds=None, mask=None, past_kv=None, extra_kv=None, cache=None,
-                own_kv=None):
+    def forward(self, hidden, cos, sin, embeds=None, mask=None, past_kv=None, cache=None, own_kv=None):
         residual = hidden
         if self.eagle3:
             x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         else:
             x = hidden
-        attn, new_kv = self.self_attn(x, cos, sin, mask=mask, past_kv=past_kv, extra_kv=extra_kv, cache=cache,
-                                      own_kv=own_kv)
+        attn, new_kv = self.self_attn(x, cos, sin, mask=mask, past_kv=past_kv, cache=cache, own_kv=own_kv)
         hidden = residual + attn
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return hidden, new_kv

@@ -275,9 +275,13 @@ class _ChunkedLinearBlock(torch.autograd.Function):
 # ----------------------------------------------------------------------------- public ops
 
 
-def _use_liger(t: torch.Tensor, impl: str) -> bool:
+def _check_impl(impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"loss impl {impl!r}: use one of {', '.join(IMPLS)}")
+
+
+def _use_liger(t: torch.Tensor, impl: str) -> bool:
+    _check_impl(impl)
     return impl == "liger" or (impl == "auto" and t.is_cuda)
 
 
@@ -326,7 +330,7 @@ def linear_kl_to(hs, ws, log_p, rows, chunk_size: int = DEFAULT_CHUNK, return_ar
     as EAGLE-3's training-time-test steps. The chunked path (Liger takes the teacher's inputs): ``impl``
     ``compiled`` compiles its per-chunk arithmetic, any other name runs it eagerly."""
     assert hs.shape[0] == rows.shape[0] and ws.shape[0] == log_p.shape[1], (hs.shape, ws.shape, log_p.shape, rows.shape)
-    _use_liger(hs, impl)  # checks the name
+    _check_impl(impl)
     return _chunked_kl(hs, ws, _table_teacher(log_p, rows), chunk_size, return_argmax, impl)
 
 

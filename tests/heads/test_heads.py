@@ -90,13 +90,12 @@ def test_eagle3_ttt_equals_step_by_step_drafting(monkeypatch, block):
     h0, (k0, v0) = head(emb[0], g, pos, mask=causal)
     torch.testing.assert_close(head.normed(h0), outs[0])
     for col in (0, 3, 5, 9):
-        prefix = (k0[:, :, : col + 1], v0[:, :, : col + 1])
-        hidden, ek, ev = h0[:, col : col + 1], [], []
+        past = (k0[:, :, : col + 1], v0[:, :, : col + 1])  # the real prefix, then each drafted token's K/V
+        hidden = h0[:, col : col + 1]
         for j in range(1, 4):
             hidden, (k, v) = head(emb[j][:, col : col + 1], hidden, pos[:, col : col + 1] + j,
-                                  mask=torch.zeros(1, 1, 1, col + 1 + j, dtype=torch.float64),
-                                  past_kv=prefix, extra_kv=(ek, ev))
-            ek, ev = ek + [k], ev + [v]
+                                  mask=torch.zeros(1, 1, 1, col + 1 + j, dtype=torch.float64), past_kv=past)
+            past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
             torch.testing.assert_close(head.normed(hidden)[:, 0], outs[j][:, col])
 
 

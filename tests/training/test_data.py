@@ -135,18 +135,25 @@ def test_zero_assistant_tokens_and_missing_answers(tok, tmp_path):
         build_dataset(tok, [str(f)], max_length=64, cache=False)
 
 
-def test_offline_features_equal_online(tiny_llama_dir, tmp_path):
+def _cache_features(target_dir, tmp_path, conversations: int, layers: str, val_fraction: str):
+    """``cache-features`` over short Q/A conversations; returns the cache directory."""
     from draftheads.cli import main as cli
-    from draftheads.targets import hidden_states, load_target
-    from draftheads.training.features import FeatureDataset, collate_features
 
     rows = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"answer number {i}"}]}
-            for i in range(6)]
+            for i in range(conversations)]
     f = tmp_path / "d.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "feats"
-    assert cli(["cache-features", "--target", str(tiny_llama_dir), "--data", str(f), "--layers", "1,2,4",
-                "--max-length", "32", "--val-fraction", "0.2", "--out", str(out)]) == 0
+    assert cli(["cache-features", "--target", str(target_dir), "--data", str(f), "--layers", layers,
+                "--max-length", "32", "--val-fraction", val_fraction, "--out", str(out)]) == 0
+    return out
+
+
+def test_offline_features_equal_online(tiny_llama_dir, tmp_path):
+    from draftheads.targets import hidden_states, load_target
+    from draftheads.training.features import FeatureDataset, collate_features
+
+    out = _cache_features(tiny_llama_dir, tmp_path, 6, "1,2,4", "0.2")
     ds = FeatureDataset(out, "train")
     assert ds.layer_ids == [1, 2, 4] and len(ds) >= 1
     batch = collate_features([ds[0]])
@@ -161,17 +168,10 @@ def test_offline_features_equal_online(tiny_llama_dir, tmp_path):
 def test_a_feature_cache_without_a_validation_split_counts_no_val_tokens(tiny_llama_dir, tmp_path):
     """distill/cache-features --val-fraction 0: the draft vocabulary's held-out counts are empty (sized on
     the training targets), not a crash."""
-    from draftheads.cli import main as cli
     from draftheads.heads.vocab import build_draft_vocab
     from draftheads.training.datamodule import ChatDataModule
 
-    rows = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"answer number {i}"}]}
-            for i in range(4)]
-    f = tmp_path / "d.jsonl"
-    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "feats"
-    assert cli(["cache-features", "--target", str(tiny_llama_dir), "--data", str(f), "--layers", "1,2",
-                "--max-length", "32", "--val-fraction", "0", "--out", str(out)]) == 0
+    out = _cache_features(tiny_llama_dir, tmp_path, 4, "1,2", "0")
     dm = ChatDataModule(target=str(tiny_llama_dir), feature_dir=str(out), batch_size=2)
     train, val = dm.token_counts(384), dm.token_counts(384, split="val")
     assert int(train.sum()) > 0 and int(val.sum()) == 0
