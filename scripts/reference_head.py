@@ -43,6 +43,11 @@ BLOCK_FAMILIES = ("dflash", "dspark")
 SHIPPED = ROOT / "draftheads/data/heads/smollm2-135m-eagle3"
 
 
+def shown(path: Path) -> Path:
+    """``path`` relative to the checkout when it lies inside it (a --run outside the checkout stays absolute)."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
 class Run:
     tick_seconds = 30.0
     """How often a running stage's wall time so far is saved (a killed run loses at most this much of it)."""
@@ -104,7 +109,7 @@ class Run:
         """Run ``fn`` unless ``done`` exists (and ``finished``: the output is not one to be grown); ``grown``:
         part of the stage's output was made before (its recorded time counts)."""
         if done.exists() and finished:
-            self.say(f"=== {name}: reusing {done.relative_to(ROOT)} (--redo {name} to run it again)")
+            self.say(f"=== {name}: reusing {shown(done)} (--redo {name} to run it again)")
             return
         # an interrupted run's time counts, and so does the first making of an output that is now grown
         grown = grown or done.exists()
@@ -207,7 +212,8 @@ def feature_tokens(features: Path) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--run", default="runs/reference")
+    p.add_argument("--run", default="runs/reference",
+                   help="run directory (one outside the checkout survives a fresh clone of it)")
     p.add_argument("--redo", default="", help="comma list of stages to run again, or all")
     p.add_argument("--synth-prompts", type=int, default=4300,
                    help="prompts the target writes (plus the bundled 228); raising it extends finished data")
@@ -241,7 +247,7 @@ def main() -> int:
         args.dtype = native_dtype()
     if args.precision == "auto":
         args.precision = "bf16-mixed" if native_dtype() == "bfloat16" else "32"
-    root = ROOT / args.run
+    root = ROOT / Path(args.run).expanduser()
     run = Run(root)
     dh = str(BIN / "draftheads")
     synth, data, features = root / "data/synth.jsonl", root / "data/train.jsonl", root / "features"
@@ -288,7 +294,7 @@ def main() -> int:
     run.say(f"synthesize, distill and bench in {args.dtype}; train in precision {args.precision}; eval in float32")
 
     if grow:
-        run.say(f"synthesize: {synth.relative_to(ROOT)} holds {synthesized(synth)} prompts, fewer than "
+        run.say(f"synthesize: {shown(synth)} holds {synthesized(synth)} prompts, fewer than "
                 f"--synth-prompts {args.synth_prompts}: it and the distilled data are extended")
     run.stage("synthesize", synth, lambda: run.cmd("synthesize", [
         dh, "synthesize", "--num-prompts", str(args.synth_prompts), "--batch-size", str(args.batch_size),
