@@ -86,3 +86,17 @@ def test_a_stage_saves_its_time_while_it_runs_without_output(tmp_path, monkeypat
     again.stage("quiet", tmp_path / "out", lambda: (tmp_path / "out").write_text("done"))
     total = json.loads(again.times_file.read_text())
     assert "quiet" not in total["running"] and saved <= total["quiet"] < saved + 2.0
+
+
+def test_a_run_outside_the_checkout_reuses_its_finished_stages(tmp_path):
+    """tmp_path lies outside the checkout (a run directory that survives a fresh clone): a rerun skips a
+    finished stage and logs its output's full path."""
+    mod = _script()
+    assert not tmp_path.is_relative_to(mod.ROOT)
+    run = mod.Run(tmp_path)
+    out = tmp_path / "data/synth.jsonl"
+    run.stage("synthesize", out, lambda: (out.parent.mkdir(), out.write_text("{}\n")))
+    again = mod.Run(tmp_path)
+    again.stage("synthesize", out, lambda: (_ for _ in ()).throw(AssertionError("made again")))
+    assert f"=== synthesize: reusing {out} " in (tmp_path / "log.txt").read_text()
+    assert mod.shown(mod.ROOT / "runs/reference") == Path("runs/reference")
