@@ -25,7 +25,7 @@ import torch
 
 from draftheads.errors import DraftheadsError
 from draftheads.inference.projection import vocab_logits
-from draftheads.inference.sampling import SamplingParams, target_probs, uniform
+from draftheads.inference.sampling import SamplingParams, inverse_cdf, target_probs, uniform
 from draftheads.inference.tree import Tree
 
 
@@ -55,14 +55,7 @@ def verify_greedy(tree: Tree, argmax: list[int]) -> VerifyResult:
 
 
 def _sample(p: torch.Tensor, gen: torch.Generator | None) -> int:
-    return int(torch.multinomial(p, 1, generator=gen))
-
-
-def inverse_cdf(p: torch.Tensor, u: float) -> int:
-    """The token whose cumulative probability interval holds ``u`` (u in [0, 1))."""
-    c = torch.cumsum(p.double(), 0)
-    return int(min(int(torch.searchsorted(c, torch.tensor(u * float(c[-1]), dtype=torch.float64), right=True)),
-                   p.numel() - 1))
+    return int(inverse_cdf(p, uniform(gen)))
 
 
 def verify_sampled_uniforms(tree: Tree, probs: torch.Tensor, uniforms: list[float]) -> VerifyResult:
@@ -71,7 +64,7 @@ def verify_sampled_uniforms(tree: Tree, probs: torch.Tensor, uniforms: list[floa
     kids = tree.children()
     cur, accepted, tokens = 0, [], []
     for u in uniforms:
-        x = inverse_cdf(probs[cur], u)
+        x = int(inverse_cdf(probs[cur], u))
         tokens.append(x)
         nxt = next((c for c in kids[cur] if tree.tokens[c] == x), None)
         if nxt is None:

@@ -82,3 +82,25 @@ def exact_first_three(target, vocab, root=0):
 def tv_distance(counts, exact, n):
     keys = set(counts) | set(exact)
     return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
+
+
+def chi_square_sigmas(counts, exact, n, min_expected=5.0):
+    """How many standard deviations Pearson's chi-square statistic of ``counts`` (n draws) lies above its
+    mean under the hypothesis that they were drawn from ``exact``: about N(0, 1) for an exact sampler,
+    large for a biased one. Outcomes expected fewer than ``min_expected`` times are pooled into one bin;
+    an outcome ``exact`` gives no probability is infinitely unlikely. (The total variation of n draws from
+    the exact distribution itself is of order sqrt(outcomes / n), so a fixed TV bound either misses small
+    biases or fails an exact sampler by chance.)"""
+    if any(exact.get(k, 0.0) == 0 for k in counts):
+        return float("inf")
+    bins, pooled_obs, pooled_exp = [], 0, 0.0
+    for k, p in exact.items():
+        if n * p >= min_expected:
+            bins.append((counts.get(k, 0), n * p))
+        else:
+            pooled_obs, pooled_exp = pooled_obs + counts.get(k, 0), pooled_exp + n * p
+    if pooled_exp > 0:
+        bins.append((pooled_obs, pooled_exp))
+    stat = sum((o - e) ** 2 / e for o, e in bins)
+    dof = len(bins) - 1
+    return (stat - dof) / (2 * dof) ** 0.5

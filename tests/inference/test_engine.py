@@ -145,7 +145,7 @@ def test_paged_attention_equals_dense():
 
 
 def test_request_generators_live_on_the_target_device(model, monkeypatch):
-    """torch.multinomial on CUDA probabilities needs a CUDA generator: each request's random stream is
+    """A draw beside CUDA probabilities takes its uniform from a CUDA generator: each request's random stream is
     created on the target's device (here a pretend CUDA device; the GPU test below samples for real)."""
     seen = []
 
