@@ -85,6 +85,11 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor | float) -> torch.Tensor:
     return picked.clamp(max=probs.shape[-1] - 1)
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from ``probs`` [V] by :func:`inverse_cdf` of one uniform of ``generator``."""
+    return int(inverse_cdf(probs, uniform(generator)))
+
+
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
     """One token per row of ``logits`` [R, V]: the argmax when the row's params are greedy, else a draw
     under them with one uniform from its generator; read back to the host in one go. Rows that share

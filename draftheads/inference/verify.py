@@ -25,7 +25,7 @@ import torch
 
 from draftheads.errors import DraftheadsError
 from draftheads.inference.projection import vocab_logits
-from draftheads.inference.sampling import SamplingParams, inverse_cdf, target_probs, uniform
+from draftheads.inference.sampling import SamplingParams, draw, inverse_cdf, target_probs, uniform
 from draftheads.inference.tree import Tree
 
 
@@ -54,10 +54,6 @@ def verify_greedy(tree: Tree, argmax: list[int]) -> VerifyResult:
         cur = nxt
 
 
-def _sample(p: torch.Tensor, gen: torch.Generator | None) -> int:
-    return int(inverse_cdf(p, uniform(gen)))
-
-
 def verify_sampled_uniforms(tree: Tree, probs: torch.Tensor, uniforms: list[float]) -> VerifyResult:
     """Deterministic-draft sampling walk with given uniforms (``uniforms[d]`` draws at depth d) --
     the same walk as :func:`verify_sampled`, in the form the Triton kernel reproduces."""
@@ -83,7 +79,7 @@ def verify_sampled(tree: Tree, probs: torch.Tensor, gen: torch.Generator | None 
         children = kids[cur]
         nxt = None
         if qs is None or all(qs[c] is None for c in children):
-            x = _sample(probs[cur], gen)
+            x = draw(probs[cur], gen)
             for c in children:
                 if tree.tokens[c] == x:
                     nxt = c
@@ -102,7 +98,7 @@ def verify_sampled(tree: Tree, probs: torch.Tensor, gen: torch.Generator | None 
                 if total > 0:
                     p = resid / total
             if nxt is None:
-                x = _sample(p, gen)
+                x = draw(p, gen)
         if nxt is None:
             tokens.append(x)
             return VerifyResult(accepted, tokens)

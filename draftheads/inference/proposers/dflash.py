@@ -28,7 +28,7 @@ import torch
 from draftheads.errors import DraftheadsError
 from draftheads.inference.projection import vocab_logits
 from draftheads.inference.proposers.base import FollowingProposer, RequestState
-from draftheads.inference.sampling import inverse_cdf, target_probs, uniform
+from draftheads.inference.sampling import draw, target_probs
 from draftheads.inference.tree import Node, Tree, TreeSpec, chain_parents, select_tree
 
 
@@ -238,6 +238,6 @@ def sample_chain(root: int, depth: int, step_logits, params, generator, to_targe
             if alive < min_survival:
                 break
         q = to_target_probs(target_probs(step_logits(d, tokens[-1]), params))
-        tokens.append(int(inverse_cdf(q, uniform(generator))))
+        tokens.append(draw(q, generator))
         qs.append(q)
     return Tree(tokens, chain_parents(len(tokens) - 1), qs)
