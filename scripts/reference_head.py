@@ -14,12 +14,18 @@ the scaling curve trains on a fraction of the data for as many steps as the firs
 compares data at equal compute. The machine's
 plain batch-1 decode rate is measured first and written beside every stage time (machines differ ~3x).
 
+--data-store DIR keeps the text the target writes (the synthesized prompts and the distilled answers, a few
+MB) in DIR as it grows, finished or not, and a run whose directory lacks them starts from there: a machine
+that loses its disk between sessions resumes the hours of generation from a committed or mounted DIR. With
+a store, distill writes text only and the `features` stage runs the target over it once
+(`draftheads cache-features`); without one, distill captures the features in its own generation pass.
+
 `package` writes the head in bf16 with its CARD.md to draftheads/data/heads/smollm2-135m-eagle3/, only
 when its chain-3 tau on the bundled eval beats the committed head's (or with --force). The block drafters
 and the scaling curve, which the head does not depend on, come after it (`scaling/scaling.md` holds the curve).
 
     python scripts/reference_head.py [--synth-prompts 4300] [--redo STAGE,...|all] [--extend-epochs 2[,4...]]
-                                     [--scaling 0.125,0.25,0.5]
+                                     [--scaling 0.125,0.25,0.5] [--data-store DIR]
 """
 
 from __future__ import annotations
@@ -33,11 +39,11 @@ import threading
 import time
 from pathlib import Path
 
-from draftheads.utils import atomic_write_json
+from draftheads.utils import atomic_write_bytes, atomic_write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-STAGES = ("synthesize", "distill", "train", "extend", "export", "eval", "bench", "package", "blocks", "scaling")
+STAGES = ("synthesize", "distill", "features", "train", "extend", "export", "eval", "bench", "package", "blocks", "scaling")
 BLOCK_FAMILIES = ("dflash", "dspark")
 """Block drafters the ``blocks`` stage trains on the same feature cache and benches beside EAGLE-3."""
 SHIPPED = ROOT / "draftheads/data/heads/smollm2-135m-eagle3"
@@ -60,6 +66,8 @@ class Run:
         self.times = json.loads(self.times_file.read_text()) if self.times_file.is_file() else {}
         self._stage, self._prior, self._t0 = None, 0.0, 0.0
         self._lock = threading.Lock()  # the ticker thread and the main thread both save the times
+        self.on_tick: list = []
+        """Called (with no argument) after every tick and after every stage, outside the lock."""
 
     def say(self, msg: str) -> None:
         line = f"[{time.strftime('%H:%M:%S')}] {msg}"
@@ -78,6 +86,11 @@ class Run:
                 return
             self.times.setdefault("running", {})[self._stage] = round(self._prior + time.perf_counter() - self._t0, 1)
             atomic_write_json(self.times_file, self.times)
+        self._hooks()
+
+    def _hooks(self) -> None:
+        for fn in self.on_tick:
+            fn()
 
     def _ticking(self, stop: threading.Event) -> None:
         """Tick every ``tick_seconds`` until ``stop``: a clock, not the stage's output, whose lines can be
@@ -103,6 +116,7 @@ class Run:
         """Drop the recorded time of a stage that is made again."""
         self.times.pop(name, None)
         self.times.get("running", {}).pop(name, None)
+        self.times.get("machines", {}).pop(name, None)
         self.save_times()
 
     def stage(self, name: str, done: Path, fn, finished: bool = True, grown: bool = False) -> None:
@@ -116,6 +130,10 @@ class Run:
         self._stage = name
         self._prior = self.times.get("running", {}).get(name) or (self.times.get(name, 0.0) if grown else 0.0)
         self._t0 = time.perf_counter()
+        rate = self.times.get("plain_tok_s")
+        machines = self.times.setdefault("machines", {}).setdefault(name, [])
+        if rate and rate not in machines:
+            machines.append(rate)  # the plain decode rate of each machine the stage ran on
         if self._prior:
             how = "growing its output" if grown else "resuming"
             self.say(f"=== {name}: {how}; {self._prior:.0f} s of earlier runs count towards it")
@@ -132,7 +150,89 @@ class Run:
             self.times.get("running", {}).pop(name, None)
             self._stage = None
         self.save_times()
+        self._hooks()
         self.say(f"=== {name}: done in {self.times[name]:.0f} s (wall time over every run of the stage)")
+
+
+STORED = {"synthesize": ("synth.jsonl", ".stats.json"), "distill": ("train.jsonl", ".settings.json")}
+"""What a data store keeps per stage: the output under the run's data/ and what a finished one has beside it
+(a stage still running has ``.partial`` and ``.partial.json`` instead, which resume it)."""
+
+
+class DataStore:
+    """The text outputs of synthesize and distill kept in a directory that outlives the run's (see --data-store).
+
+    :meth:`save` copies each one there as it grows (finished files replace the partial ones); :meth:`seed` puts
+    the stored ones into a run directory that lacks them, with the wall time and machines they took."""
+
+    def __init__(self, root: Path, data: Path):
+        self.root, self.data = root, data
+        self._copied: dict[Path, tuple] = {}
+        self._lock = threading.Lock()  # the ticker thread and the main thread both save
+
+    @staticmethod
+    def files(stage: str, finished: bool) -> list[str]:
+        """A stage's files, the settings first: a copy cut between the two never holds text its settings lack."""
+        name, beside = STORED[stage]
+        return [name + beside, name] if finished else [name + ".partial.json", name + ".partial"]
+
+    def holds(self, where: Path, stage: str) -> bool | None:
+        """True: finished, False: partly made, None: nothing of ``stage`` under ``where``."""
+        for finished in (True, False):
+            if all((where / f).is_file() for f in self.files(stage, finished)):
+                return finished
+        return None
+
+    def _copy(self, src: Path, dst: Path) -> None:
+        st = src.stat()
+        if self._copied.get(dst) == (st.st_size, st.st_mtime_ns) and dst.is_file():
+            return
+        atomic_write_bytes(dst, src.read_bytes())
+        self._copied[dst] = (st.st_size, st.st_mtime_ns)
+
+    def save(self, times: dict) -> None:
+        with self._lock:
+            self.root.mkdir(parents=True, exist_ok=True)
+            kept = {}
+            for stage in STORED:
+                finished = self.holds(self.data, stage)
+                if finished is None:
+                    continue
+                try:
+                    for f in self.files(stage, finished):
+                        self._copy(self.data / f, self.root / f)
+                except FileNotFoundError:
+                    continue  # the stage is renaming its partial files to finished ones: the next save has them
+                if finished:
+                    for f in self.files(stage, False):
+                        (self.root / f).unlink(missing_ok=True)
+                kept[stage] = {"finished": finished, "machines": times.get("machines", {}).get(stage, []),
+                               "seconds": times.get(stage) if finished else times.get("running", {}).get(stage)}
+            if kept:
+                atomic_write_json(self.root / "stages.json", kept)
+
+    def seed(self, run: Run) -> None:
+        """Copy into the run each stage the store holds and the run lacks, and its time so far."""
+        times = json.loads((self.root / "stages.json").read_text()) if (self.root / "stages.json").is_file() else {}
+        for stage in STORED:
+            finished = self.holds(self.root, stage)
+            if finished is None or self.holds(self.data, stage) is not None:
+                continue
+            self.data.mkdir(parents=True, exist_ok=True)
+            for f in self.files(stage, finished):
+                atomic_write_bytes(self.data / f, (self.root / f).read_bytes())
+            t = times.get(stage, {})
+            if t.get("seconds") is not None:
+                (run.times if finished else run.times.setdefault("running", {}))[stage] = t["seconds"]
+                run.times.setdefault("machines", {})[stage] = list(t.get("machines", []))
+            run.save_times()
+            run.say(f"=== {stage}: {'finished' if finished else 'partly made'} output taken from the data store "
+                    f"{shown(self.root)}")
+
+    def drop(self, stage: str) -> None:
+        """Forget a stage that is made again (so that no later run is seeded with the old output)."""
+        for f in self.files(stage, True) + self.files(stage, False):
+            (self.root / f).unlink(missing_ok=True)
 
 
 def plain_decode_rate(tokens: int = 64) -> float:
@@ -239,6 +339,9 @@ def main() -> int:
     p.add_argument("--force", action="store_true", help="package even if the committed head measures better")
     p.add_argument("--package-dir", default=str(SHIPPED.relative_to(ROOT)),
                    help="where the packaged head goes (default: the shipped head in the package)")
+    p.add_argument("--data-store", default=None,
+                   help="keep the synthesized prompts and distilled answers here as they grow, and start a run "
+                        "that lacks them from here (a directory that outlives the run's: committed or mounted)")
     args = p.parse_args()
     redo = set(STAGES) if args.redo == "all" else {s for s in args.redo.split(",") if s}
     if redo - set(STAGES):
@@ -265,7 +368,7 @@ def main() -> int:
             shutil.rmtree(d)
         rounds_made = rounds_made[:stale]
     scaling = root / "scaling"
-    outputs = {"synthesize": synth, "distill": data, "train": trained, "extend": head,
+    outputs = {"synthesize": synth, "distill": data, "features": features, "train": trained, "extend": head,
                "export": export, "eval": evald / "results.json",
                "bench": bench / "results.json", "scaling": scaling / "scaling.json", "package": root / "packaged.json",
                "blocks": root / "blocks/results.json"}
@@ -277,7 +380,8 @@ def main() -> int:
     if rounds and not head.exists():
         redo |= {"export", "eval", "bench", "package"}  # they were made from the head before its last round
     blocks = [root / f for f in BLOCK_FAMILIES] + [root / "blocks"]
-    also_made = {"distill": [features, root / "main", *rounds_made, *blocks], "train": [root / "main", *rounds_made],
+    also_made = {"distill": [features, root / "main", *rounds_made, *blocks],
+                 "features": [root / "main", *rounds_made, *blocks], "train": [root / "main", *rounds_made],
                  "extend": rounds_made, "blocks": blocks}  # what else a stage wrote (checkpoints, logs)
     for s in redo:
         run.forget(s)
@@ -286,7 +390,13 @@ def main() -> int:
                 shutil.rmtree(target)
             elif target.exists():
                 target.unlink()
+    store = DataStore(ROOT / Path(args.data_store).expanduser(), root / "data") if args.data_store else None
+    for s in redo & set(STORED) if store else ():
+        store.drop(s)  # a store seeding a later run with what this one makes again would undo the redo
     run.say(f"reference-head: {' '.join(sys.argv[1:]) or '(defaults)'}")
+    if store:
+        store.seed(run)
+        run.on_tick.append(lambda: store.save(run.times))
     if "plain_tok_s" not in run.times:
         run.times["plain_tok_s"] = round(plain_decode_rate(), 2)
         run.save_times()
@@ -300,11 +410,15 @@ def main() -> int:
         dh, "synthesize", "--num-prompts", str(args.synth_prompts), "--batch-size", str(args.batch_size),
         "--round-size", str(min(192, 2 * args.synth_prompts)),
         "--dtype", args.dtype, "--out", str(synth), "--extend"]), finished=not grow)
+    # with a store, the answers are text a later run resumes from, and their features a pass of their own
+    same_pass = [] if store else ["--features", "eagle3", "--feature-dir", str(features), "--val-fraction", "0.03"]
     run.stage("distill", data, lambda: run.cmd("distill", [
         dh, "distill", "--prompts", "bundled:train", str(synth), "--max-new-tokens", str(args.max_new_tokens),
-        "--batch-size", str(args.batch_size), "--dtype", args.dtype, "--max-seq-len", "1024", "--features", "eagle3",
-        "--feature-dir", str(features), "--val-fraction", "0.03", "--out", str(data), "--extend"]),
-        finished=data.exists() and distilled_all(data, synth))
+        "--batch-size", str(args.batch_size), "--dtype", args.dtype, "--max-seq-len", "1024", *same_pass,
+        "--out", str(data), "--extend"]), finished=data.exists() and distilled_all(data, synth))
+    run.stage("features", features / "index.json", lambda: run.cmd("features", [
+        dh, "cache-features", "--data", str(data), "--layers", "eagle3", "--out", str(features), "--max-length",
+        "1024", "--val-fraction", "0.03", "--dtype", args.dtype, "--overwrite"]))
     run.stage("train", trained, lambda: fit(run, "train", train_config(root, "main", args)))
     if rounds:
         run.stage("extend", head, lambda: _extend(run, root, rounds, trained, args), grown=extended[0].exists())
@@ -519,7 +633,8 @@ def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, benc
         "command": " ".join(["python scripts/reference_head.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d"),
         "machine_plain_tok_s": run.times.get("plain_tok_s"),
-        "stage_seconds": {k: v for k, v in run.times.items() if k not in ("plain_tok_s", "running")},
+        "stage_seconds": {k: v for k, v in run.times.items() if k not in ("plain_tok_s", "running", "machines")},
+        "stage_machines_plain_tok_s": run.times.get("machines", {}),
         "data": feature_tokens(features),
         "val": {"accuracies": meta.get("val_accuracies"), "sim_tau": meta.get("val_sim_tau"),
                 "draft_vocab_coverage": meta.get("draft_vocab_coverage"),
@@ -554,14 +669,22 @@ def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, benc
 
 def card_markdown(card: dict, eval_md: str, bench_md: str, scaling_md: str) -> str:
     d = card["data"]
-    times = ", ".join(f"{k} {v / 60:.1f} min" for k, v in card["stage_seconds"].items())
+    machines = card.get("stage_machines_plain_tok_s", {})
+
+    def on(stage: str) -> str:
+        rates = machines.get(stage) or []
+        return f" (machines at {' + '.join(f'{r:.1f}' for r in rates)} tok/s)" if len(rates) > 1 or (
+            rates and rates[0] != card["machine_plain_tok_s"]) else ""
+
+    times = ", ".join(f"{k} {v / 60:.1f} min{on(k)}" for k, v in card["stage_seconds"].items())
     val = card["val"]
     acc = " / ".join(f"{a:.3f}" for a in val["accuracies"] or [])
     cov = val["draft_vocab_coverage"] or {}
     lines = [
         "# smollm2-135m-eagle3: the reference EAGLE-3 head for SmolLM2-135M-Instruct", "",
         f"Built by `{card['command'].strip()}` on {card['date']}; load it with `--head reference`.", "",
-        f"- machine: plain decode {card['machine_plain_tok_s']:.1f} tok/s at batch 1 (fp32, engine); stage times: {times}",
+        f"- machine: plain decode {card['machine_plain_tok_s']:.1f} tok/s at batch 1 (fp32, engine); stage times "
+        f"(a stage that ran on other machines names their rates): {times}",
         f"- data: {d['train']['conversations']:,} train conversations, {d['train']['answer_tokens']:,} answer tokens "
         f"({d['train']['tokens']:,} with prompts); val {d.get('val', {}).get('conversations', 0):,} conversations, "
         f"{d.get('val', {}).get('answer_tokens', 0):,} answer tokens; all written by the target itself",

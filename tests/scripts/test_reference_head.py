@@ -100,3 +100,46 @@ def test_a_run_outside_the_checkout_reuses_its_finished_stages(tmp_path):
     again.stage("synthesize", out, lambda: (_ for _ in ()).throw(AssertionError("made again")))
     assert f"=== synthesize: reusing {out} " in (tmp_path / "log.txt").read_text()
     assert mod.shown(mod.ROOT / "runs/reference") == Path("runs/reference")
+
+
+def test_a_data_store_keeps_the_text_as_it_grows_and_seeds_a_fresh_run(tmp_path):
+    """A run saves its synthesized prompts to the store while they are partial, then finished (the partial
+    files go); a fresh run directory starts from the store with the stage's time so far, and a redone
+    stage is dropped from it."""
+    import json
+
+    mod = _script()
+    a = mod.Run(tmp_path / "a")
+    a.times.update(plain_tok_s=13.3, running={"synthesize": 100.0}, machines={"synthesize": [13.3]})
+    store = mod.DataStore(tmp_path / "store", tmp_path / "a/data")
+    data = tmp_path / "a/data"
+    data.mkdir()
+    (data / "synth.jsonl.partial.json").write_text('{"round": 1, "kept": 1}')
+    (data / "synth.jsonl.partial").write_text('{"id": "syn-chat-000001"}\n')
+    (data / "train.jsonl.partial").write_text("{}\n")  # no settings beside it: not a resumable distill yet
+    store.save(a.times)
+    assert sorted(p.name for p in store.root.iterdir()) == ["stages.json", "synth.jsonl.partial",
+                                                            "synth.jsonl.partial.json"]
+    assert json.loads((store.root / "stages.json").read_text()) == {
+        "synthesize": {"finished": False, "machines": [13.3], "seconds": 100.0}}
+
+    b = mod.Run(tmp_path / "b")
+    b.times["plain_tok_s"] = 29.3
+    mod.DataStore(store.root, tmp_path / "b/data").seed(b)
+    assert (tmp_path / "b/data/synth.jsonl.partial").read_text() == '{"id": "syn-chat-000001"}\n'
+    assert b.times["running"] == {"synthesize": 100.0}
+    b.stage("synthesize", tmp_path / "b/data/synth.jsonl", lambda: None)
+    assert b.times["synthesize"] >= 100.0 and b.times["machines"]["synthesize"] == [13.3, 29.3]
+
+    (data / "synth.jsonl.partial").rename(data / "synth.jsonl")
+    (data / "synth.jsonl.partial.json").rename(data / "synth.jsonl.stats.json")
+    a.times["synthesize"] = a.times.pop("running")["synthesize"]
+    (data / "synth.jsonl").write_text('{"id": "syn-chat-000001"}\n{"id": "syn-code-000001"}\n')
+    store.save(a.times)
+    assert sorted(p.name for p in store.root.iterdir()) == ["stages.json", "synth.jsonl", "synth.jsonl.stats.json"]
+    c = mod.Run(tmp_path / "c")
+    mod.DataStore(store.root, tmp_path / "c/data").seed(c)
+    assert (tmp_path / "c/data/synth.jsonl").read_text().count("\n") == 2 and c.times["synthesize"] == 100.0
+    assert "taken from the data store" in (tmp_path / "c/log.txt").read_text()
+    store.drop("synthesize")
+    assert sorted(p.name for p in store.root.iterdir()) == ["stages.json"]
