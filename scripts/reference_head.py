@@ -1,6 +1,6 @@
 """`make reference-head`: the shipped EAGLE-3 head for the embedded SmolLM2-135M-Instruct, in one command.
 
-    synthesize -> distill --features -> train-head fit -> extend -> export -> eval -> bench -> package
+    synthesize -> distill --features -> train-head fit -> extend -> export -> eval -> package -> bench
     -> blocks -> scaling
 
 Everything goes under runs/reference/ and the log to runs/reference/log.txt. Each stage runs the project's
@@ -21,11 +21,14 @@ a store, distill writes text only and the `features` stage runs the target over 
 (`draftheads cache-features`); without one, distill captures the features in its own generation pass.
 
 `package` writes the head in bf16 with its CARD.md to draftheads/data/heads/smollm2-135m-eagle3/, only
-when its chain-3 tau on the bundled eval beats the committed head's (or with --force). The block drafters
-and the scaling curve, which the head does not depend on, come after it (`scaling/scaling.md` holds the curve).
+when its chain-3 tau on the bundled eval beats the committed head's (or with --force); `bench` then adds its
+side-by-side speedups to that card. The block drafters and the scaling curve, which the head does not depend
+on, come after them (`scaling/scaling.md` holds the curve). --init-head reference trains the first fit on from
+the shipped head (a warm restart, as each extension round is), so training carries over from one machine to
+the next through the head that measured best; the card lists every run the head's weights went through.
 
     python scripts/reference_head.py [--synth-prompts 4300] [--redo STAGE,...|all] [--extend-epochs 2[,4...]]
-                                     [--scaling 0.125,0.25,0.5] [--data-store DIR]
+                                     [--scaling 0.125,0.25,0.5] [--data-store DIR] [--init-head reference]
 """
 
 from __future__ import annotations
@@ -39,11 +42,12 @@ import threading
 import time
 from pathlib import Path
 
-from draftheads.utils import atomic_write_bytes, atomic_write_json
+from draftheads.utils import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-STAGES = ("synthesize", "distill", "features", "train", "extend", "export", "eval", "bench", "package", "blocks", "scaling")
+STAGES = ("synthesize", "distill", "features", "train", "extend", "export", "eval", "package", "bench", "blocks",
+          "scaling")
 BLOCK_FAMILIES = ("dflash", "dspark")
 """Block drafters the ``blocks`` stage trains on the same feature cache and benches beside EAGLE-3."""
 SHIPPED = ROOT / "draftheads/data/heads/smollm2-135m-eagle3"
@@ -306,7 +310,7 @@ def feature_tokens(features: Path) -> dict:
         ds = FeatureDataset(features, split)
         out[split] = {"answer_tokens": sum(int(m.sum()) for m in ds.column("loss_mask")),
                       "tokens": sum(int((d >= 0).sum()) for d in ds.column("doc_ids")),
-                      "conversations": sum(len(sh["keys"]) for sh in ds.shards)}
+                      "conversations": sum(int(d.max()) + 1 for d in ds.column("doc_ids"))}  # docs 0.. per row
     return out
 
 
@@ -339,6 +343,9 @@ def main() -> int:
     p.add_argument("--force", action="store_true", help="package even if the committed head measures better")
     p.add_argument("--package-dir", default=str(SHIPPED.relative_to(ROOT)),
                    help="where the packaged head goes (default: the shipped head in the package)")
+    p.add_argument("--init-head", default=None,
+                   help="start the first fit from this head (a directory, or reference: the shipped head) instead "
+                        "of a new one: a warm restart with a fresh schedule")
     p.add_argument("--data-store", default=None,
                    help="keep the synthesized prompts and distilled answers here as they grow, and start a run "
                         "that lacks them from here (a directory that outlives the run's: committed or mounted)")
@@ -419,7 +426,7 @@ def main() -> int:
     run.stage("features", features / "index.json", lambda: run.cmd("features", [
         dh, "cache-features", "--data", str(data), "--layers", "eagle3", "--out", str(features), "--max-length",
         "1024", "--val-fraction", "0.03", "--dtype", args.dtype, "--overwrite"]))
-    run.stage("train", trained, lambda: fit(run, "train", train_config(root, "main", args)))
+    run.stage("train", trained, lambda: _train(run, root, args))
     if rounds:
         run.stage("extend", head, lambda: _extend(run, root, rounds, trained, args), grown=extended[0].exists())
     run.stage("export", export, lambda: run.cmd("export", [
@@ -430,16 +437,49 @@ def main() -> int:
         "--max-new-tokens", str(args.eval_tokens), "--tree", args.trees, "--out", str(evald)]))
     # every eval mode: the eval ranks them in float32, where a larger tree costs more than in bf16
     modes = ",".join(dict.fromkeys(["auto", *args.trees.split(",")]))
-    run.stage("bench", bench / "results.json", lambda: run.cmd("bench", [
+    run.stage("package", outputs["package"], lambda: _package(run, root, head, features, evald, args))
+    run.stage("bench", bench / "results.json", lambda: (run.cmd("bench", [
         dh, "bench", "--eagle3", str(head), "--tree", modes, "--only", "proposers,batch", "--max-new-tokens",
         str(args.eval_tokens), "--batches", "1,4,16", "--batch-repeats", "8", "--dtype", args.dtype,
-        "--out", str(bench)]))
-    run.stage("package", outputs["package"], lambda: _package(run, root, head, features, evald, bench, args))
+        "--out", str(bench)]), _card_bench(run, root, bench, args)))
     run.stage("blocks", outputs["blocks"], lambda: _blocks(run, root, head, args))
     fractions = [float(f) for f in args.scaling.split(",") if f.strip()]
-    run.stage("scaling", outputs["scaling"], lambda: _scaling(run, root, fractions, trained, features, args))
+    run.stage("scaling", outputs["scaling"], lambda: _scaling(run, root, fractions, features, args))
     run.say("reference-head: all stages done; stage times " + json.dumps(run.times))
     return 0
+
+
+def init_head_dir(spec: str) -> Path:
+    """--init-head as a directory (``reference``: the shipped head)."""
+    return SHIPPED if spec == "reference" else ROOT / Path(spec).expanduser()
+
+
+def _train(run: Run, root: Path, args) -> None:
+    """The first fit, from a new head or (--init-head) from a trained one, whose card is kept for the lineage."""
+    init = None
+    if args.init_head:
+        init = init_head_dir(args.init_head)
+        if not (init / "config.json").is_file():
+            sys.exit(f"reference-head: --init-head {args.init_head}: no head in {shown(init)} (give a head "
+                     "directory, or reference once a head is shipped)")
+        card = init / "card.json"
+        (root / "main").mkdir(parents=True, exist_ok=True)
+        if card.is_file() and not (root / "main/init-card.json").exists():
+            shutil.copy(card, root / "main/init-card.json")  # before package replaces it
+    fit(run, "train", train_config(root, "main", args, init_head=init))
+
+
+def lineage(root: Path, args) -> list[dict]:
+    """Every run the packaged head's weights went through, the first first: the init head's lineage (from its
+    card), then this run (its epochs: the first fit's and every extension round's)."""
+    prev = root / "main/init-card.json"
+    runs = []
+    if prev.is_file():
+        old = json.loads(prev.read_text())
+        runs = old.get("lineage") or [{"date": old["date"], "command": old["command"], "epochs": None}]
+    epochs = base_epochs(args) + sum(extend_rounds(args.extend_epochs))
+    return runs + [{"date": time.strftime("%Y-%m-%d"), "command": " ".join(["python scripts/reference_head.py",
+                                                                            *sys.argv[1:]]), "epochs": epochs}]
 
 
 def extend_rounds(spec: str) -> list[int]:
@@ -526,7 +566,7 @@ def scaling_schedule(args, fraction: float) -> dict:
             "check_val_every_n_epoch": max(1, times // 2)}
 
 
-def _scaling(run: Run, root: Path, fractions: list[float], head: Path, features: Path, args) -> None:
+def _scaling(run: Run, root: Path, fractions: list[float], features: Path, args) -> None:
     """Validation accuracy per TTT step and chain-3 tau against training tokens, each point trained for
     the first fit's number of steps: the curve compares data at equal compute (the first fit's own
     validations, at a half, one and one and a half epochs, compare steps at equal data)."""
@@ -534,8 +574,9 @@ def _scaling(run: Run, root: Path, fractions: list[float], head: Path, features:
     train_answer_tokens = feature_tokens(features)["train"]["answer_tokens"]
     points = []
     for f in sorted(fractions) + [1.0]:
-        name = "main" if f == 1.0 else f"scaling/f{f:g}"
-        h = head if f == 1.0 else root / name / "head"
+        # the first fit is the full-data point, unless it started from a trained head (--init-head)
+        name = "main" if f == 1.0 and not args.init_head else f"scaling/f{f:g}"
+        h = root / name / "head"
         schedule = scaling_schedule(args, f) if f < 1.0 else {}
         if schedule and trained_epochs(root / name) not in (None, schedule["max_epochs"]):
             run.say(f"scaling {f:g}: {name} was trained on another schedule; training it again")
@@ -609,7 +650,7 @@ def _plot_scaling(points: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, bench: Path, args) -> None:
+def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, args) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -644,20 +685,16 @@ def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, benc
                      "domains": {d: x["tau"] for d, x in v["domains"].items()}}
                  for m, v in res["modes"].items()},
         "eval_command": res["command"],
+        "lineage": lineage(root, args),
+        "bench": None,  # the bench stage, after this one, fills it in
     }
-    bench_res = json.loads((bench / "results.json").read_text())
-    card["bench"] = {"command": bench_res["command"], "dtype": bench_res.get("dtype"), "proposers": bench_res["proposers"]}
-    scaling = root / "scaling/scaling.md"
     tmp = root / "package"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"head_type": meta["head_type"]})
     (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
-    (tmp / "card.json").write_text(json.dumps(card, indent=2) + "\n")
-    (tmp / "CARD.md").write_text(card_markdown(card, (evald / "results.md").read_text(),
-                                               (bench / "results.md").read_text(),
-                                               scaling.read_text() if scaling.is_file() else ""))
+    write_card(tmp, card, root)
     if shipped.exists():
         shutil.rmtree(shipped)
     shipped.parent.mkdir(parents=True, exist_ok=True)
@@ -665,6 +702,28 @@ def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, benc
     size = (shipped / WEIGHTS_NAME).stat().st_size / 2**20
     run.say(f"package: wrote {args.package_dir} ({size:.1f} MB), chain-3 tau {tau:.3f}")
     atomic_write_json(root / "packaged.json", {"packaged": True, "tau": tau, "mb": size})
+
+
+def write_card(where: Path, card: dict, root: Path) -> None:
+    """``card.json`` and ``CARD.md`` of a packaged head, the tables taken from the run ``root``."""
+    bench_md, scaling = root / "bench/results.md", root / "scaling/scaling.md"
+    atomic_write_text(where / "card.json", json.dumps(card, indent=2) + "\n")
+    atomic_write_text(where / "CARD.md", card_markdown(
+        card, (root / "eval/results.md").read_text(), bench_md.read_text() if card["bench"] else "",
+        scaling.read_text() if scaling.is_file() else ""))
+
+
+def _card_bench(run: Run, root: Path, bench: Path, args) -> None:
+    """Add the bench to the card of the head this run packaged (none when it packaged none)."""
+    packaged = root / "packaged.json"
+    if not (packaged.is_file() and json.loads(packaged.read_text())["packaged"]):
+        return
+    shipped = ROOT / args.package_dir
+    card = json.loads((shipped / "card.json").read_text())
+    res = json.loads((bench / "results.json").read_text())
+    card["bench"] = {"command": res["command"], "dtype": res.get("dtype"), "proposers": res["proposers"]}
+    write_card(shipped, card, root)
+    run.say(f"bench: added to {args.package_dir}/CARD.md")
 
 
 def card_markdown(card: dict, eval_md: str, bench_md: str, scaling_md: str) -> str:
@@ -691,10 +750,19 @@ def card_markdown(card: dict, eval_md: str, bench_md: str, scaling_md: str) -> s
         f"- validation: top-1 per TTT step {acc}; simulated τ {val['sim_tau'] or 0:.2f}; draft vocabulary "
         f"{val['draft_vocab_size']} tokens covering {100 * (cov.get('train') or 0):.1f}% of train and "
         f"{100 * (cov.get('val') or 0):.1f}% of validation targets", "",
-        "## Eval (bundled eval prompts, T = 0, batch 1; mode per row)", "", eval_md.strip(), "",
-        f"## Bench (side by side in one run, target and head in {card['bench'].get('dtype') or 'float32'})", "",
-        bench_md.strip(), "",
     ]
+    runs = card.get("lineage") or []
+    if len(runs) > 1:
+        lines += [f"Trained over {len(runs)} runs, each a warm restart from the head before it "
+                  f"({sum(r['epochs'] or 0 for r in runs)} epochs in all):", "",
+                  *[f"{i}. {r['date']}: `{r['command']}`, {r['epochs'] or '?'} epochs" for i, r in enumerate(runs, 1)],
+                  ""]
+    lines += ["## Eval (bundled eval prompts, T = 0, batch 1; mode per row)", "", eval_md.strip(), ""]
+    if card["bench"]:
+        lines += [f"## Bench (side by side in one run, target and head in {card['bench'].get('dtype') or 'float32'})",
+                  "", bench_md.strip(), ""]
+    else:
+        lines += ["## Bench", "", "Not measured yet: the `bench` stage of the command above adds it.", ""]
     if scaling_md:
         lines += ["## Data scaling", "", scaling_md.strip(), ""]
     return "\n".join(lines) + "\n"

@@ -143,3 +143,29 @@ def test_a_data_store_keeps_the_text_as_it_grows_and_seeds_a_fresh_run(tmp_path)
     assert "taken from the data store" in (tmp_path / "c/log.txt").read_text()
     store.drop("synthesize")
     assert sorted(p.name for p in store.root.iterdir()) == ["stages.json"]
+
+
+def test_a_head_trained_on_from_the_shipped_one_lists_every_run_and_waits_for_its_bench(tmp_path):
+    """--init-head: the card's lineage is the init head's, then this run's epochs (first fit + rounds);
+    the card written by package, before bench, says the bench is still to come."""
+    import json
+
+    mod = _script()
+    (tmp_path / "main").mkdir()
+    (tmp_path / "main/init-card.json").write_text(json.dumps(
+        {"date": "2026-12-03", "command": "python scripts/reference_head.py --epochs 1", "lineage": [
+            {"date": "2026-12-03", "command": "python scripts/reference_head.py --epochs 1", "epochs": 1}]}))
+    runs = mod.lineage(tmp_path, Namespace(epochs=2, extend_epochs="1,3"))
+    assert [r["epochs"] for r in runs] == [1, 6] and runs[0]["date"] == "2026-12-03"
+    card = {"command": "c", "date": "d", "machine_plain_tok_s": 29.3, "stage_seconds": {"train": 600.0},
+            "stage_machines_plain_tok_s": {"train": [29.3]},
+            "data": {"train": {"conversations": 3, "answer_tokens": 30, "tokens": 40}},
+            "val": {"accuracies": [0.5], "sim_tau": 1.5, "draft_vocab_coverage": None, "draft_vocab_size": 8},
+            "lineage": runs, "bench": None}
+    md = mod.card_markdown(card, "| eval |", "", "")
+    assert "Trained over 2 runs" in md and "(7 epochs in all)" in md and "Not measured yet" in md
+    assert "machines at" not in md  # one machine, the card's own
+    card["bench"] = {"dtype": "bfloat16"}
+    card["stage_machines_plain_tok_s"] = {"train": [13.3, 29.3]}
+    md = mod.card_markdown(card, "| eval |", "| bench |", "")
+    assert "| bench |" in md and "Not measured" not in md and "train 10.0 min (machines at 13.3 + 29.3 tok/s)" in md
