@@ -163,6 +163,43 @@ STORED = {"synthesize": ("synth.jsonl", ".stats.json"), "distill": ("train.jsonl
 (a stage still running has ``.partial`` and ``.partial.json`` instead, which resume it)."""
 
 
+def distill_prompts(data: Path) -> list[str]:
+    """What distill answers: the bundled train prompts and the synthesized ones under the run's ``data``."""
+    return ["bundled:train", str(data / "synth.jsonl")]
+
+
+SLIM = ("train.jsonl", "train.jsonl.partial")
+"""Distilled records the store keeps without their turns, which the prompts they answer hold."""
+
+
+def without_turns(text: bytes) -> bytes:
+    """Distilled jsonl with each record's turns left out (a torn last line of a growing file is left out too)."""
+    return "".join(json.dumps({k: v for k, v in r.items() if k != "turns"}) + "\n"
+                   for r in _records(text)).encode()
+
+
+def with_turns(text: bytes, prompts: dict) -> bytes:
+    """Distilled jsonl stored :func:`without_turns`, with the turns each record answered put back from ``prompts``."""
+    out = []
+    for r in _records(text):
+        turns = list(prompts[r["id"]].turns[: len(r["answers"])])
+        out.append(json.dumps({"id": r["id"], "domain": r["domain"], "turns": turns,
+                               **{k: v for k, v in r.items() if k not in ("id", "domain")}}) + "\n")
+    return "".join(out).encode()
+
+
+def _records(text: bytes) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line being written
+    return out
+
+
 class DataStore:
     """The text outputs of synthesize and distill kept in a directory that outlives the run's (see --data-store).
 
@@ -191,7 +228,8 @@ class DataStore:
         st = src.stat()
         if self._copied.get(dst) == (st.st_size, st.st_mtime_ns) and dst.is_file():
             return
-        atomic_write_bytes(dst, src.read_bytes())
+        text = src.read_bytes()
+        atomic_write_bytes(dst, without_turns(text) if dst.name in SLIM else text)
         self._copied[dst] = (st.st_size, st.st_mtime_ns)
 
     def save(self, times: dict) -> None:
@@ -224,7 +262,8 @@ class DataStore:
                 continue
             self.data.mkdir(parents=True, exist_ok=True)
             for f in self.files(stage, finished):
-                atomic_write_bytes(self.data / f, (self.root / f).read_bytes())
+                text = (self.root / f).read_bytes()
+                atomic_write_bytes(self.data / f, with_turns(text, self._prompts()) if f in SLIM else text)
             t = times.get(stage, {})
             if t.get("seconds") is not None:
                 (run.times if finished else run.times.setdefault("running", {}))[stage] = t["seconds"]
@@ -232,6 +271,11 @@ class DataStore:
             run.save_times()
             run.say(f"=== {stage}: {'finished' if finished else 'partly made'} output taken from the data store "
                     f"{shown(self.root)}")
+
+    def _prompts(self) -> dict:
+        from draftheads.prompts import load_prompts
+
+        return {p.id: p for spec in distill_prompts(self.data) for p in load_prompts(spec)}
 
     def drop(self, stage: str) -> None:
         """Forget a stage that is made again (so that no later run is seeded with the old output)."""
@@ -420,7 +464,7 @@ def main() -> int:
     # with a store, the answers are text a later run resumes from, and their features a pass of their own
     same_pass = [] if store else ["--features", "eagle3", "--feature-dir", str(features), "--val-fraction", "0.03"]
     run.stage("distill", data, lambda: run.cmd("distill", [
-        dh, "distill", "--prompts", "bundled:train", str(synth), "--max-new-tokens", str(args.max_new_tokens),
+        dh, "distill", "--prompts", *distill_prompts(synth.parent), "--max-new-tokens", str(args.max_new_tokens),
         "--batch-size", str(args.batch_size), "--dtype", args.dtype, "--max-seq-len", "1024", *same_pass,
         "--out", str(data), "--extend"]), finished=data.exists() and distilled_all(data, synth))
     run.stage("features", features / "index.json", lambda: run.cmd("features", [

@@ -169,3 +169,31 @@ def test_a_head_trained_on_from_the_shipped_one_lists_every_run_and_waits_for_it
     card["stage_machines_plain_tok_s"] = {"train": [13.3, 29.3]}
     md = mod.card_markdown(card, "| eval |", "| bench |", "")
     assert "| bench |" in md and "Not measured" not in md and "train 10.0 min (machines at 13.3 + 29.3 tok/s)" in md
+
+
+def test_the_store_keeps_distilled_records_without_the_turns_their_prompts_hold(tmp_path):
+    """Turns are left out of the stored answers and put back, byte for byte, when a run is seeded; a line
+    still being written is left out."""
+    import json
+
+    from draftheads.prompts import load_prompts
+
+    mod = _script()
+    bundled = load_prompts("bundled:train")[0]
+    data = tmp_path / "a/data"
+    data.mkdir(parents=True)
+    (data / "synth.jsonl").write_text(json.dumps({"id": "syn-qa-000001", "domain": "qa", "turns": ["Why?", "And?"]}) + "\n")
+    (data / "synth.jsonl.stats.json").write_text("{}")
+    records = [{"id": bundled.id, "domain": bundled.domain, "turns": [bundled.turns[0]], "answers": ["A."],
+                "truncated": False},
+               {"id": "syn-qa-000001", "domain": "qa", "turns": ["Why?"], "answers": ["Because"], "truncated": True}]
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    (data / "train.jsonl.partial.json").write_text("{}")
+    (data / "train.jsonl.partial").write_text(text + '{"id": "syn-')
+    store = mod.DataStore(tmp_path / "store", data)
+    store.save({})
+    stored = (store.root / "train.jsonl.partial").read_text()
+    assert "turns" not in stored and stored.count("\n") == 2
+    run = mod.Run(tmp_path / "b")
+    mod.DataStore(store.root, tmp_path / "b/data").seed(run)
+    assert (tmp_path / "b/data/train.jsonl.partial").read_text() == text
