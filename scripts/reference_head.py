@@ -42,7 +42,7 @@ import threading
 import time
 from pathlib import Path
 
-from draftheads.utils import atomic_write_bytes, atomic_write_json, atomic_write_text
+from draftheads.utils import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -172,32 +172,17 @@ SLIM = ("train.jsonl", "train.jsonl.partial")
 """Distilled records the store keeps without their turns, which the prompts they answer hold."""
 
 
-def without_turns(text: bytes) -> bytes:
-    """Distilled jsonl with each record's turns left out (a torn last line of a growing file is left out too)."""
-    return "".join(json.dumps({k: v for k, v in r.items() if k != "turns"}) + "\n"
-                   for r in _records(text)).encode()
+def without_turns(records: list[dict]) -> bytes:
+    """Distilled records as jsonl, each without its turns."""
+    return "".join(json.dumps({k: v for k, v in r.items() if k != "turns"}) + "\n" for r in records).encode()
 
 
-def with_turns(text: bytes, prompts: dict) -> bytes:
-    """Distilled jsonl stored :func:`without_turns`, with the turns each record answered put back from ``prompts``."""
-    out = []
-    for r in _records(text):
-        turns = list(prompts[r["id"]].turns[: len(r["answers"])])
-        out.append(json.dumps({"id": r["id"], "domain": r["domain"], "turns": turns,
-                               **{k: v for k, v in r.items() if k not in ("id", "domain")}}) + "\n")
-    return "".join(out).encode()
-
-
-def _records(text: bytes) -> list[dict]:
-    out = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line being written
-    return out
+def with_turns(records: list[dict], prompts: dict) -> bytes:
+    """Records stored :func:`without_turns` as jsonl, with the turns each one answered put back from ``prompts``."""
+    return "".join(json.dumps({"id": r["id"], "domain": r["domain"],
+                               "turns": list(prompts[r["id"]].turns[: len(r["answers"])]),
+                               **{k: v for k, v in r.items() if k not in ("id", "domain")}}) + "\n"
+                   for r in records).encode()
 
 
 class DataStore:
@@ -228,8 +213,8 @@ class DataStore:
         st = src.stat()
         if self._copied.get(dst) == (st.st_size, st.st_mtime_ns) and dst.is_file():
             return
-        text = src.read_bytes()
-        atomic_write_bytes(dst, without_turns(text) if dst.name in SLIM else text)
+        # a growing file's torn last line is left out
+        atomic_write_bytes(dst, without_turns(read_jsonl_prefix(src)) if dst.name in SLIM else src.read_bytes())
         self._copied[dst] = (st.st_size, st.st_mtime_ns)
 
     def save(self, times: dict) -> None:
@@ -262,8 +247,9 @@ class DataStore:
                 continue
             self.data.mkdir(parents=True, exist_ok=True)
             for f in self.files(stage, finished):
-                text = (self.root / f).read_bytes()
-                atomic_write_bytes(self.data / f, with_turns(text, self._prompts()) if f in SLIM else text)
+                src = self.root / f
+                atomic_write_bytes(self.data / f, with_turns(read_jsonl_prefix(src), self._prompts()) if f in SLIM
+                                   else src.read_bytes())
             t = times.get(stage, {})
             if t.get("seconds") is not None:
                 (run.times if finished else run.times.setdefault("running", {}))[stage] = t["seconds"]
@@ -442,8 +428,9 @@ def main() -> int:
             elif target.exists():
                 target.unlink()
     store = DataStore(ROOT / Path(args.data_store).expanduser(), root / "data") if args.data_store else None
-    for s in redo & set(STORED) if store else ():
-        store.drop(s)  # a store seeding a later run with what this one makes again would undo the redo
+    if store:
+        for s in redo & set(STORED):
+            store.drop(s)  # a store seeding a later run with what this one makes again would undo the redo
     run.say(f"reference-head: {' '.join(sys.argv[1:]) or '(defaults)'}")
     if store:
         store.seed(run)
@@ -522,8 +509,11 @@ def lineage(root: Path, args) -> list[dict]:
         old = json.loads(prev.read_text())
         runs = old.get("lineage") or [{"date": old["date"], "command": old["command"], "epochs": None}]
     epochs = base_epochs(args) + sum(extend_rounds(args.extend_epochs))
-    return runs + [{"date": time.strftime("%Y-%m-%d"), "command": " ".join(["python scripts/reference_head.py",
-                                                                            *sys.argv[1:]]), "epochs": epochs}]
+    return runs + [{"date": time.strftime("%Y-%m-%d"), "command": this_command(), "epochs": epochs}]
+
+
+def this_command() -> str:
+    return " ".join(["python scripts/reference_head.py", *sys.argv[1:]])
 
 
 def extend_rounds(spec: str) -> list[int]:
@@ -715,7 +705,7 @@ def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, args
     weights = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v)
                for k, v in load_file(str(head / WEIGHTS_NAME)).items()}
     card = {
-        "command": " ".join(["python scripts/reference_head.py", *sys.argv[1:]]),
+        "command": this_command(),
         "date": time.strftime("%Y-%m-%d"),
         "machine_plain_tok_s": run.times.get("plain_tok_s"),
         "stage_seconds": {k: v for k, v in run.times.items() if k not in ("plain_tok_s", "running", "machines")},
