@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -340,7 +341,8 @@ def feature_tokens(features: Path) -> dict:
         ds = FeatureDataset(features, split)
         out[split] = {"answer_tokens": sum(int(m.sum()) for m in ds.column("loss_mask")),
                       "tokens": sum(int((d >= 0).sum()) for d in ds.column("doc_ids")),
-                      "conversations": sum(int(d.max()) + 1 for d in ds.column("doc_ids"))}  # docs 0.. per row
+                      # doc ids count 0.. within each row (-1 pads): a row holds its largest id + 1
+                      "conversations": sum(int((d.amax(dim=-1) + 1).clamp(min=0).sum()) for d in ds.column("doc_ids"))}
     return out
 
 
@@ -513,7 +515,7 @@ def lineage(root: Path, args) -> list[dict]:
 
 
 def this_command() -> str:
-    return " ".join(["python scripts/reference_head.py", *sys.argv[1:]])
+    return shlex.join(["python", "scripts/reference_head.py", *sys.argv[1:]])  # quoted: --scaling '' stays whole
 
 
 def extend_rounds(spec: str) -> list[int]:

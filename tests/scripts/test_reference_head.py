@@ -197,3 +197,26 @@ def test_the_store_keeps_distilled_records_without_the_turns_their_prompts_hold(
     run = mod.Run(tmp_path / "b")
     mod.DataStore(store.root, tmp_path / "b/data").seed(run)
     assert (tmp_path / "b/data/train.jsonl.partial").read_text() == text
+
+
+def test_the_card_counts_the_conversations_packed_in_every_row_of_every_shard(tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    # shard 0: rows holding 3, 1 and 2 conversations (then padding, doc id -1); shard 1: 2 rows, 2 + 0
+    docs = {"train-00000.safetensors": [[0, 0, 1, 2], [0, 0, 0, 0], [0, 1, 1, -1]],
+            "train-00001.safetensors": [[0, 0, 1, 1], [-1, -1, -1, -1]],
+            "val-00000.safetensors": [[0, 1, 2, 3]]}
+    index = {"version": 2, "target": "t", "layer_ids": [1], "dtype": "bfloat16", "complete": True,
+             "splits": {"train": [], "val": []}}
+    for name, rows in docs.items():
+        d = torch.tensor(rows)
+        save_file({"input_ids": torch.zeros_like(d), "doc_ids": d, "loss_mask": (d >= 0).long(),
+                   "feat_1": torch.zeros(*d.shape, 2)}, str(tmp_path / name))
+        index["splits"][name.split("-")[0]].append({"file": name, "rows": len(rows)})
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    counts = _script().feature_tokens(tmp_path)
+    assert counts["train"] == {"answer_tokens": 15, "tokens": 15, "conversations": 8}
+    assert counts["val"] == {"answer_tokens": 4, "tokens": 4, "conversations": 4}
