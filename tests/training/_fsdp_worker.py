@@ -42,6 +42,7 @@ def main(rank: int, world: int, port: str, out: str) -> None:
     grads = {n: p.grad.abs().sum().item() if p.grad is not None else None for n, p in strategy._model.named_parameters()}
     json.dump({"state": {k: v.tolist() for k, v in state.items()}, "local_shapes": local, "norm": norm, "grads": grads},
               open(f"{out}/rank{rank}.json", "w"))
+    dist.barrier()  # neither rank tears gloo down while the other still talks to it (an abort at exit)
     dist.destroy_process_group()
 
 
