@@ -560,14 +560,16 @@ def _extend(run: Run, root: Path, rounds: list[int], trained: Path, args) -> Non
 
 def _blocks(run: Run, root: Path, head: Path, args) -> None:
     """DFlash and DSpark trained on the same feature cache as the EAGLE-3 head (configs/smollm2-<family>-
-    reference.yaml), each evaluated like it at chain 3 and chain 7 (the block drafters' served K) and with
+    reference.yaml) for as many epochs as its first fit and extension rounds together, each evaluated like it at chain 3 and chain 7 (the block drafters' served K) and with
     the small tree, then all three benched side by side in one run (batch 1, and the sweep over 1, 4, 16)."""
     dh = str(BIN / "draftheads")
     heads = {"eagle3": head}
+    epochs = base_epochs(args) + sum(extend_rounds(args.extend_epochs))  # as many as the EAGLE-3 head's run
     for fam in BLOCK_FAMILIES:
         heads[fam] = root / fam / "head"
         if not heads[fam].exists():
-            fit(run, f"blocks {fam}", train_config(root, fam, args, base=f"configs/smollm2-{fam}-reference.yaml"))
+            fit(run, f"blocks {fam}", train_config(root, fam, args, base=f"configs/smollm2-{fam}-reference.yaml",
+                                                   epochs=epochs))
     for fam, h in heads.items():
         ev = root / "blocks" / f"eval-{fam}"
         if not (ev / "results.json").exists():

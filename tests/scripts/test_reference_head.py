@@ -220,3 +220,27 @@ def test_the_card_counts_the_conversations_packed_in_every_row_of_every_shard(tm
     counts = _script().feature_tokens(tmp_path)
     assert counts["train"] == {"answer_tokens": 15, "tokens": 15, "conversations": 8}
     assert counts["val"] == {"answer_tokens": 4, "tokens": 4, "conversations": 4}
+
+
+def test_the_block_drafters_train_as_many_epochs_as_the_eagle3_head(tmp_path, monkeypatch):
+    mod = _script()
+    made = {}
+
+    def fit(run, stage, config):
+        made[stage] = mod.trained_epochs(config.parent)
+        (config.parent / "head").mkdir()
+
+    class Stop(Exception):
+        pass
+
+    def cmd(stage, argv):
+        raise Stop  # the evals come after the training this test is about
+
+    monkeypatch.setattr(mod, "fit", fit)
+    run = Namespace(cmd=cmd)
+    args = Namespace(epochs=1, extend_epochs="3", precision="32", eval_per_domain=1, eval_tokens=8)
+    import pytest
+
+    with pytest.raises(Stop):
+        mod._blocks(run, tmp_path, tmp_path / "extended/head", args)
+    assert made == {"blocks dflash": 4, "blocks dspark": 4}  # 1 epoch of the first fit + a round of 3
