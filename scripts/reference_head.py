@@ -745,10 +745,11 @@ def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, args
 def write_card(where: Path, card: dict, root: Path) -> None:
     """``card.json`` and ``CARD.md`` of a packaged head, the tables taken from the run ``root``."""
     bench_md, scaling = root / "bench/results.md", root / "scaling/scaling.md"
-    atomic_write_text(where / "card.json", json.dumps(card, indent=2) + "\n")
+    here = f"{ROOT}/"  # the commands ran with absolute paths; the card shows them from the checkout
+    atomic_write_text(where / "card.json", (json.dumps(card, indent=2) + "\n").replace(here, ""))
     atomic_write_text(where / "CARD.md", card_markdown(
         card, (root / "eval/results.md").read_text(), bench_md.read_text() if card["bench"] else "",
-        scaling.read_text() if scaling.is_file() else ""))
+        scaling.read_text() if scaling.is_file() else "").replace(here, ""))
 
 
 def _card_bench(run: Run, root: Path, bench: Path, args) -> None:

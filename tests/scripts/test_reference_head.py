@@ -244,3 +244,22 @@ def test_the_block_drafters_train_as_many_epochs_as_the_eagle3_head(tmp_path, mo
     with pytest.raises(Stop):
         mod._blocks(run, tmp_path, tmp_path / "extended/head", args)
     assert made == {"blocks dflash": 4, "blocks dspark": 4}  # 1 epoch of the first fit + a round of 3
+
+
+def test_a_card_names_paths_inside_the_checkout_from_the_checkout(tmp_path):
+    import json
+
+    mod = _script()
+    run = mod.ROOT / "runs/reference"
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval/results.md").write_text(f"`draftheads eval --head {run}/extended/head`\n")
+    card = {"command": "c", "date": "d", "machine_plain_tok_s": 29.3, "stage_seconds": {}, "stage_machines_plain_tok_s": {},
+            "data": {"train": {"conversations": 3, "answer_tokens": 30, "tokens": 40}},
+            "val": {"accuracies": [0.5], "sim_tau": 1.5, "draft_vocab_coverage": None, "draft_vocab_size": 8},
+            "eval_command": f"draftheads eval --head {run}/extended/head", "lineage": [], "bench": None}
+    out = tmp_path / "card"
+    out.mkdir()
+    mod.write_card(out, card, tmp_path)
+    assert json.loads((out / "card.json").read_text())["eval_command"] == "draftheads eval --head runs/reference/extended/head"
+    md = (out / "CARD.md").read_text()
+    assert "--head runs/reference/extended/head" in md and str(mod.ROOT) not in md
