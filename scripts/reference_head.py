@@ -510,8 +510,7 @@ def lineage(root: Path, args) -> list[dict]:
     if prev.is_file():
         old = json.loads(prev.read_text())
         runs = old.get("lineage") or [{"date": old["date"], "command": old["command"], "epochs": None}]
-    epochs = base_epochs(args) + sum(extend_rounds(args.extend_epochs))
-    return runs + [{"date": time.strftime("%Y-%m-%d"), "command": this_command(), "epochs": epochs}]
+    return runs + [{"date": time.strftime("%Y-%m-%d"), "command": this_command(), "epochs": run_epochs(args)}]
 
 
 def this_command() -> str:
@@ -560,16 +559,16 @@ def _extend(run: Run, root: Path, rounds: list[int], trained: Path, args) -> Non
 
 def _blocks(run: Run, root: Path, head: Path, args) -> None:
     """DFlash and DSpark trained on the same feature cache as the EAGLE-3 head (configs/smollm2-<family>-
-    reference.yaml) for as many epochs as its first fit and extension rounds together, each evaluated like it at chain 3 and chain 7 (the block drafters' served K) and with
-    the small tree, then all three benched side by side in one run (batch 1, and the sweep over 1, 4, 16)."""
+    reference.yaml) for as many epochs as its run (:func:`run_epochs`), each evaluated like it at chain 3
+    and chain 7 (the block drafters' served K) and with the small tree, then all three benched side by side
+    in one run (batch 1, and the sweep over 1, 4, 16)."""
     dh = str(BIN / "draftheads")
     heads = {"eagle3": head}
-    epochs = base_epochs(args) + sum(extend_rounds(args.extend_epochs))  # as many as the EAGLE-3 head's run
     for fam in BLOCK_FAMILIES:
         heads[fam] = root / fam / "head"
         if not heads[fam].exists():
             fit(run, f"blocks {fam}", train_config(root, fam, args, base=f"configs/smollm2-{fam}-reference.yaml",
-                                                   epochs=epochs))
+                                                   epochs=run_epochs(args)))
     for fam, h in heads.items():
         ev = root / "blocks" / f"eval-{fam}"
         if not (ev / "results.json").exists():
@@ -586,6 +585,11 @@ def _blocks(run: Run, root: Path, head: Path, args) -> None:
     atomic_write_json(root / "blocks" / "results.json", {
         fam: {m: {"tau": v["overall"]["tau"], "speedup": v["overall"]["speedup"]} for m, v in modes.items()}
         for fam, modes in table.items()})
+
+
+def run_epochs(args) -> int:
+    """Epochs this run trains the EAGLE-3 head: the first fit's and every extension round's."""
+    return base_epochs(args) + sum(extend_rounds(args.extend_epochs))
 
 
 def base_epochs(args) -> int:
