@@ -40,10 +40,14 @@ def main(rank: int, world: int, port: str, out: str) -> None:
     local = {n: list(p.shape) for n, p in strategy._model.named_parameters()}
     state = full_state_dict(strategy)
     grads = {n: p.grad.abs().sum().item() if p.grad is not None else None for n, p in strategy._model.named_parameters()}
-    json.dump({"state": {k: v.tolist() for k, v in state.items()}, "local_shapes": local, "norm": norm, "grads": grads},
-              open(f"{out}/rank{rank}.json", "w"))
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump({"state": {k: v.tolist() for k, v in state.items()}, "local_shapes": local, "norm": norm,
+                   "grads": grads}, f)
     dist.barrier()  # neither rank tears gloo down while the other still talks to it (an abort at exit)
     dist.destroy_process_group()
+    # torch's own teardown at interpreter exit sometimes aborts ("terminate called without an active
+    # exception") after everything above has finished; leave without it, the result is already on disk
+    os._exit(0)
 
 
 if __name__ == "__main__":
