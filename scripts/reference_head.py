@@ -27,7 +27,8 @@ on, come after them (`scaling/scaling.md` holds the curve). --init-head referenc
 the shipped head (a warm restart, as each extension round is), so training carries over from one machine to
 the next through the head that measured best; the card lists every run the head's weights went through.
 
-    python scripts/reference_head.py [--synth-prompts 4300] [--redo STAGE,...|all] [--extend-epochs 2[,4...]]
+    python scripts/reference_head.py [--synth-prompts 4300] [--redo STAGE,...|all] [--only STAGE,...]
+                                     [--extend-epochs 2[,4...]]
                                      [--scaling 0.125,0.25,0.5] [--data-store DIR] [--init-head reference]
 """
 
@@ -49,6 +50,12 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 STAGES = ("synthesize", "distill", "features", "train", "extend", "export", "eval", "package", "bench", "blocks",
           "scaling")
+HEAD = "head"
+"""In :data:`NEEDS`: the stage that makes the head the run exports (``extend``, or ``train`` with no rounds)."""
+NEEDS = {"distill": ("synthesize",), "features": ("distill",), "train": ("features",), "extend": ("train",),
+         "export": (HEAD,), "eval": (HEAD,), "package": (HEAD, "eval"), "bench": (HEAD,),
+         "blocks": ("features", HEAD), "scaling": ("features", "train")}
+"""The stages whose outputs each stage reads: with --only, they must be finished."""
 BLOCK_FAMILIES = ("dflash", "dspark")
 """Block drafters the ``blocks`` stage trains on the same feature cache and benches beside EAGLE-3."""
 SHIPPED = ROOT / "draftheads/data/heads/smollm2-135m-eagle3"
@@ -63,8 +70,9 @@ class Run:
     tick_seconds = 30.0
     """How often a running stage's wall time so far is saved (a killed run loses at most this much of it)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, only: frozenset[str] = frozenset()):
         self.root = root
+        self.only = only  # the stages to run; empty: all
         root.mkdir(parents=True, exist_ok=True)
         self.log = (root / "log.txt").open("a", encoding="utf-8")
         self.times_file = root / "stages.json"
@@ -129,6 +137,9 @@ class Run:
         part of the stage's output was made before (its recorded time counts)."""
         if done.exists() and finished:
             self.say(f"=== {name}: reusing {shown(done)} (--redo {name} to run it again)")
+            return
+        if self.only and name not in self.only:
+            self.say(f"=== {name}: not run (not in --only)")
             return
         # an interrupted run's time counts, and so does the first making of an output that is now grown
         grown = grown or done.exists()
@@ -351,6 +362,9 @@ def main() -> int:
     p.add_argument("--run", default="runs/reference",
                    help="run directory (one outside the checkout survives a fresh clone of it)")
     p.add_argument("--redo", default="", help="comma list of stages to run again, or all")
+    p.add_argument("--only", default="",
+                   help="comma list of the stages to run, the others left as they are; the stages they read must be "
+                        "finished (e.g. scaling while an extend round is unfinished)")
     p.add_argument("--synth-prompts", type=int, default=4300,
                    help="prompts the target writes (plus the bundled 228); raising it extends finished data")
     p.add_argument("--max-new-tokens", type=int, default=384, help="answer length when distilling")
@@ -385,12 +399,15 @@ def main() -> int:
     redo = set(STAGES) if args.redo == "all" else {s for s in args.redo.split(",") if s}
     if redo - set(STAGES):
         sys.exit(f"reference-head: --redo {sorted(redo - set(STAGES))} unknown: use all or some of {','.join(STAGES)}")
+    only = frozenset(s for s in args.only.split(",") if s)
+    if only - set(STAGES):
+        sys.exit(f"reference-head: --only {sorted(only - set(STAGES))} unknown: use some of {','.join(STAGES)}")
     if args.dtype == "auto":
         args.dtype = native_dtype()
     if args.precision == "auto":
         args.precision = "bf16-mixed" if native_dtype() == "bfloat16" else "32"
     root = ROOT / Path(args.run).expanduser()
-    run = Run(root)
+    run = Run(root, only)
     dh = str(BIN / "draftheads")
     synth, data, features = root / "data/synth.jsonl", root / "data/train.jsonl", root / "features"
     rounds = extend_rounds(args.extend_epochs)
@@ -437,6 +454,16 @@ def main() -> int:
     if store:
         store.seed(run)
         run.on_tick.append(lambda: store.save(run.times))
+    head_stage = "extend" if rounds else "train"
+    done = {**outputs, "features": features / "index.json"}
+    finished = {s: done[s].exists() for s in STAGES}
+    finished["distill"] = finished["distill"] and synth.exists() and distilled_all(data, synth)
+    unfinished = [(s, n) for s in sorted(only, key=STAGES.index) for n in NEEDS.get(s, ())
+                  if n not in only and not finished[head_stage if n == HEAD else n]]
+    if unfinished:
+        s, n = unfinished[0]
+        sys.exit(f"reference-head: --only {s} reads what {head_stage if n == HEAD else n} makes, and it is not "
+                 f"finished: add it to --only, or run without --only")
     if "plain_tok_s" not in run.times:
         run.times["plain_tok_s"] = round(plain_decode_rate(), 2)
         run.save_times()
@@ -478,7 +505,8 @@ def main() -> int:
     run.stage("blocks", outputs["blocks"], lambda: _blocks(run, root, head, args))
     fractions = [float(f) for f in args.scaling.split(",") if f.strip()]
     run.stage("scaling", outputs["scaling"], lambda: _scaling(run, root, fractions, features, args))
-    run.say("reference-head: all stages done; stage times " + json.dumps(run.times))
+    run.say(f"reference-head: {'stages ' + ','.join(sorted(only, key=STAGES.index)) if only else 'all stages'} done; "
+            "stage times " + json.dumps(run.times))
     return 0
 
 

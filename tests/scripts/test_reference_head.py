@@ -2,6 +2,8 @@ import importlib.util
 from argparse import Namespace
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts/reference_head.py"
 
 
@@ -263,3 +265,27 @@ def test_a_card_names_paths_inside_the_checkout_from_the_checkout(tmp_path):
     assert json.loads((out / "card.json").read_text())["eval_command"] == "draftheads eval --head runs/reference/extended/head"
     md = (out / "CARD.md").read_text()
     assert "--head runs/reference/extended/head" in md and str(mod.ROOT) not in md
+
+
+def test_only_runs_the_named_stages_and_leaves_the_others(tmp_path):
+    mod = _script()
+    run = mod.Run(tmp_path, only=frozenset({"scaling"}))
+    run.stage("extend", tmp_path / "extended2/head", lambda: (_ for _ in ()).throw(AssertionError("ran")))
+    made = tmp_path / "scaling/scaling.json"
+    run.stage("scaling", made, lambda: (made.parent.mkdir(), made.write_text("[]")))
+    assert made.is_file()
+    assert "=== extend: not run (not in --only)" in (tmp_path / "log.txt").read_text()
+
+
+def test_only_refuses_a_stage_whose_input_is_unfinished(tmp_path, monkeypatch, capsys):
+    mod = _script()
+    monkeypatch.setattr("sys.argv", ["reference_head.py", "--run", str(tmp_path), "--only", "scaling", "--dtype",
+                                     "float32", "--precision", "32"])
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    assert "--only scaling reads what features makes, and it is not finished" in str(e.value)
+    assert not (tmp_path / "scaling").exists()
+    monkeypatch.setattr("sys.argv", ["reference_head.py", "--run", str(tmp_path), "--only", "scaling,nope"])
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    assert "--only ['nope'] unknown" in str(e.value)
