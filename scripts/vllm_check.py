@@ -67,6 +67,8 @@ def run_vllm(python: str, target: Path, prompts: Path, n: int, out: Path, fmt: s
     return json.loads(out.read_text())
 
 
+TAU_TOLERANCE = 0.05
+"""The most vLLM's tau may differ from ours, relative, in chain mode with the same K (the check fails beyond)."""
 QUICK_MINUTES = 2
 """Training time of a head this check trains itself (a format check: a weak head shows as well as a good
 one that vLLM loads and runs the export as our engine does)."""
@@ -201,7 +203,7 @@ def main() -> int:
                              fmt, export_dir, args.k)
         except DraftheadsError as e:
             say(f"error: {e}")
-            res["formats"][fmt] = {"error": str(e), "vllm_command": cmd}
+            res["formats"][fmt] = {"head": str(shown(Path(heads[kind]))), "error": str(e), "vllm_command": cmd}
             continue
         v_tau, v_pos = vllm_acceptance(vspec["counters"], args.k)
         if kind not in ours:  # vllm-eagle3 and speculators share one head
@@ -212,7 +214,7 @@ def main() -> int:
         chain, tree, plain_here = ours[kind]
         best = max(((f"chain{args.k}", chain), ("small", tree)), key=lambda x: x[1]["tok_s"])
         res["formats"][fmt] = {
-            "vllm_tau": v_tau, "our_tau": chain["metrics"].tau,
+            "head": str(shown(Path(heads[kind]))), "vllm_tau": v_tau, "our_tau": chain["metrics"].tau,
             "identical_output": all(a["token_ids"] == b["token_ids"] for a, b in zip(vspec["rows"], vplain["rows"])),
             "ours_identical_to_our_plain": chain["token_ids"] == ours_plain["token_ids"] == tree["token_ids"],
             "vllm_per_position": v_pos, "our_per_position": chain["metrics"].alpha,
@@ -228,23 +230,43 @@ def main() -> int:
     atomic_write_text(out / "results.md", table)
     print(table)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}")
-    bad = [f for f, r in res["formats"].items() if "error" in r or not r["identical_output"]]
+    bad = failures(res)
+    if bad:
+        say(f"error: {', '.join(bad)}: a vLLM run failed, its text differs from its plain text, or its tau is more "
+            f"than {TAU_TOLERANCE:.0%} from ours (see the table)")
     return 1 if bad else 0
+
+
+def failures(res: dict) -> list[str]:
+    """The formats whose vLLM run failed, whose text differs from vLLM's plain text, or whose tau is more
+    than TAU_TOLERANCE from ours."""
+    return [f for f, r in res["formats"].items()
+            if "error" in r or not r["identical_output"] or abs(tau_diff(r)) > TAU_TOLERANCE]
+
+
+def tau_diff(r: dict) -> float:
+    """Our chain tau relative to vLLM's."""
+    return (r["our_tau"] - r["vllm_tau"]) / r["vllm_tau"]
+
+
+def shown(path: Path) -> Path:
+    """``path`` relative to the checkout when it lies inside it."""
+    root = Path(__file__).resolve().parents[1]
+    return path.resolve().relative_to(root) if path.resolve().is_relative_to(root) else path
 
 
 def markdown(res: dict) -> str:
     lines = [f"`{res['command']}` ({res['date']}, {res['machine']['platform']}, {res['machine']['cpu_count']} CPUs, vLLM {res['vllm_version']}); K = {res['k']}, "
              f"{len(res['prompts'])} prompts, {res['max_tokens']} new tokens, greedy, batch 1.", "",
-             "| format | vLLM tau | our tau (chain) | diff | vLLM alpha/pos | our alpha/pos | vLLM text = plain | "
+             "| format | head | vLLM tau | our tau (chain) | diff | vLLM alpha/pos | our alpha/pos | vLLM text = plain | "
              "vLLM tok/s plain / spec | our tok/s plain / spec (tree) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for fmt, r in res["formats"].items():
         if "error" in r:
-            lines.append(f"| {fmt} | FAILED: {r['error']} |" + " |" * 7)
+            lines.append(f"| {fmt} | {r.get('head', '?')} | FAILED: {r['error']} |" + " |" * 7)
             continue
-        diff = (r["our_tau"] - r["vllm_tau"]) / r["vllm_tau"]
         lines.append(
-            f"| {fmt} | {r['vllm_tau']:.3f} | {r['our_tau']:.3f} | {100 * diff:+.1f} % | "
+            f"| {fmt} | {r.get('head', '?')} | {r['vllm_tau']:.3f} | {r['our_tau']:.3f} | {100 * tau_diff(r):+.1f} % | "
             f"{' '.join(f'{a:.2f}' for a in r['vllm_per_position'])} | "
             f"{' '.join(f'{a:.2f}' for a in r['our_per_position'])} | {'yes' if r['identical_output'] else 'NO'} | "
             f"{r['vllm_tok_s_plain']:.1f} / {r['vllm_tok_s_spec']:.1f} | "
