@@ -505,6 +505,8 @@ def main() -> int:
     run.stage("blocks", outputs["blocks"], lambda: _blocks(run, root, head, args))
     fractions = [float(f) for f in args.scaling.split(",") if f.strip()]
     run.stage("scaling", outputs["scaling"], lambda: _scaling(run, root, fractions, features, args))
+    if outputs["scaling"].exists():
+        _card_scaling(run, root, features, args)
     run.say(f"reference-head: {'stages ' + ','.join(sorted(only, key=STAGES.index)) if only else 'all stages'} done; "
             "stage times " + json.dumps(run.times))
     return 0
@@ -795,6 +797,37 @@ def _card_bench(run: Run, root: Path, bench: Path, args) -> None:
     card["bench"] = {"command": res["command"], "dtype": res.get("dtype"), "proposers": res["proposers"]}
     write_card(shipped, card, root)
     run.say(f"bench: added to {args.package_dir}/CARD.md")
+
+
+def _card_scaling(run: Run, root: Path, features: Path, args) -> None:
+    """Put the scaling curve on the shipped head's card when that head was trained on this run's data (the
+    curve is about the data and the recipe, and it may finish after the head was packaged)."""
+    shipped = ROOT / args.package_dir
+    if not (shipped / "card.json").is_file():
+        return
+    card = json.loads((shipped / "card.json").read_text())
+    points = json.loads((root / "scaling/scaling.json").read_text())
+    if card.get("scaling", {}).get("points") == points or card["data"] != feature_tokens(features):
+        return
+    card["scaling"] = {"command": this_command(), "points": points}
+    here = f"{ROOT}/"
+    atomic_write_text(shipped / "card.json", (json.dumps(card, indent=2) + "\n").replace(here, ""))
+    table = (root / "scaling/scaling.md").read_text().replace(here, "")
+    atomic_write_text(shipped / "CARD.md", with_section((shipped / "CARD.md").read_text(), "Data scaling",
+                                                        f"`{card['scaling']['command']}`\n\n{table}"))
+    run.say(f"scaling: added to {args.package_dir}/CARD.md")
+
+
+def with_section(md: str, title: str, body: str) -> str:
+    """``md`` with its ``## title`` section (up to the next ``## `` heading) replaced by ``body``, or
+    ``body`` appended under that heading."""
+    head = f"## {title}\n"
+    text = f"{head}\n{body.strip()}\n"
+    if head not in md:
+        return md.rstrip("\n") + "\n\n" + text
+    before, _, after = md.partition(head)
+    rest = after.find("\n## ")
+    return before + text + (after[rest:] if rest >= 0 else "")
 
 
 def card_markdown(card: dict, eval_md: str, bench_md: str, scaling_md: str) -> str:

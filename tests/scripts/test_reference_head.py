@@ -1,4 +1,5 @@
 import importlib.util
+import json
 from argparse import Namespace
 from pathlib import Path
 
@@ -289,3 +290,38 @@ def test_only_refuses_a_stage_whose_input_is_unfinished(tmp_path, monkeypatch, c
     with pytest.raises(SystemExit) as e:
         mod.main()
     assert "--only ['nope'] unknown" in str(e.value)
+
+
+def test_the_scaling_curve_goes_on_the_card_of_a_head_trained_on_the_same_data(tmp_path, monkeypatch):
+    mod = _script()
+    data = {"train": {"answer_tokens": 100, "tokens": 150, "conversations": 3}}
+    shipped, root = tmp_path / "shipped", tmp_path / "run"
+    (root / "scaling").mkdir(parents=True)
+    shipped.mkdir()
+    (shipped / "card.json").write_text(json.dumps({"data": data}))
+    (shipped / "CARD.md").write_text("# head\n\n## Eval\n\nthe eval\n\n## Bench\n\nthe bench\n")
+    points = [_point(50, [0.3]), _point(100, [0.4])]
+    (root / "scaling/scaling.json").write_text(json.dumps(points))
+    (root / "scaling/scaling.md").write_text("| the curve |\n")
+    monkeypatch.setattr(mod, "feature_tokens", lambda features: data)
+    args = Namespace(package_dir=str(shipped))
+    mod._card_scaling(mod.Run(root), root, root / "features", args)
+    md = (shipped / "CARD.md").read_text()
+    assert md.startswith("# head\n\n## Eval\n\nthe eval\n\n## Bench\n\nthe bench\n\n## Data scaling\n\n`python ")
+    assert md.endswith("| the curve |\n")
+    assert json.loads((shipped / "card.json").read_text())["scaling"]["points"] == points
+    (root / "scaling/scaling.md").write_text("| a new curve |\n")
+    (root / "scaling/scaling.json").write_text(json.dumps(points[1:]))
+    mod._card_scaling(mod.Run(root), root, root / "features", args)
+    md = (shipped / "CARD.md").read_text()
+    assert md.count("## Data scaling") == 1 and md.endswith("| a new curve |\n") and "the bench" in md
+    monkeypatch.setattr(mod, "feature_tokens", lambda features: {"train": {"answer_tokens": 7}})  # other data
+    (root / "scaling/scaling.json").write_text(json.dumps(points))
+    mod._card_scaling(mod.Run(root), root, root / "features", args)
+    assert json.loads((shipped / "card.json").read_text())["scaling"]["points"] == points[1:]
+
+
+def test_a_section_is_replaced_in_the_middle_of_a_card():
+    mod = _script()
+    md = "# t\n\n## A\n\nold\n\n## B\n\nb\n"
+    assert mod.with_section(md, "A", "new") == "# t\n\n## A\n\nnew\n\n## B\n\nb\n"
