@@ -309,7 +309,7 @@ class Engine:
         advanced = min(max(left) - after, max(emitted))
         self.policy.update(ran, len(live), len(live) * advanced, seconds, sum(len(t) for t in trees))
         ratio = self.policy.cost_ratio(ran, len(live))
-        if ratio is not None:
+        if ratio is not None and len(live) > 1:  # a lone row is the batch: the policy's plain arm decides
             for st, t, n in zip(live, trees, emitted):
                 if len(t) > 1 and not st.done:
                     self.switch.observe(st, n, self.steps, ratio)

@@ -263,14 +263,24 @@ def test_switch_statistics_do_not_leak_across_generate_calls(tiny_target):
     engine = Engine(model, proposer=RandomProposer(model.config.vocab_size), policy=policy)
     engine.switch = RequestSwitch(ema=0.0, off_steps=1000)
     params = SamplingParams(max_new_tokens=12, stop_at_eos=False)
-    (a,) = engine.generate([[5, 6, 7]], params)
-    (b,) = engine.generate([[5, 6, 7]], params)
-    assert a.token_ids == b.token_ids
+    a = engine.generate([[5, 6, 7], [5, 6, 7]], params)
+    b = engine.generate([[5, 6, 7], [5, 6, 7]], params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
     # random drafts cannot pay twice the cost: the switch stops drafting after the first step, and a
     # new request in the same row slot starts drafting again
-    assert a.metrics.drafts == 1 and b.metrics.drafts == 1
+    assert [o.metrics.drafts for o in a + b] == [1, 1, 1, 1]
     # those switched-off steps are plain steps, and are credited so
-    assert policy.stats[1][None].steps == a.metrics.target_forwards - 1 + b.metrics.target_forwards - 1
+    assert policy.stats[2][None].steps == a[0].metrics.target_forwards - 1 + b[0].metrics.target_forwards - 1
+
+
+def test_a_lone_row_is_left_to_the_policy_arms(tiny_target):
+    """At batch 1 the row is the batch: the policy's plain arm turns drafting off, not the switch."""
+    model = tiny_target.model
+    engine = Engine(model, proposer=RandomProposer(model.config.vocab_size),
+                    policy=_AlwaysChain2({"chain2": parse_tree("chain2")}))
+    engine.switch = RequestSwitch(ema=0.0, off_steps=1000)
+    (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=12, stop_at_eos=False))
+    assert out.metrics.drafts == out.metrics.target_forwards  # every step drafted
 
 
 def test_catch_up_after_plain_steps_gives_the_same_drafts(tiny_target):
