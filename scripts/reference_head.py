@@ -438,7 +438,8 @@ def main() -> int:
     blocks = [root / f for f in BLOCK_FAMILIES] + [root / "blocks"]
     also_made = {"distill": [features, root / "main", *rounds_made, *blocks],
                  "features": [root / "main", *rounds_made, *blocks], "train": [root / "main", *rounds_made],
-                 "extend": rounds_made, "blocks": blocks}  # what else a stage wrote (checkpoints, logs)
+                 "extend": rounds_made, "eval": [evald], "bench": [bench], "blocks": blocks,
+                 "scaling": [scaling, root / "main/eval-chain3"]}  # what else a stage wrote (checkpoints, logs, tables)
     for s in redo:
         run.forget(s)
         for target in [outputs[s], *also_made.get(s, [])]:

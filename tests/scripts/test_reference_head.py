@@ -325,3 +325,15 @@ def test_a_section_is_replaced_in_the_middle_of_a_card():
     mod = _script()
     md = "# t\n\n## A\n\nold\n\n## B\n\nb\n"
     assert mod.with_section(md, "A", "new") == "# t\n\n## A\n\nnew\n\n## B\n\nb\n"
+
+
+def test_a_redone_stage_leaves_none_of_its_old_tables(tmp_path, monkeypatch):
+    mod = _script()
+    for f in ("eval/results.json", "eval/results.md", "eval/tau_by_domain.png", "bench/results.md"):
+        (tmp_path / f).parent.mkdir(exist_ok=True)
+        (tmp_path / f).write_text("old")
+    monkeypatch.setattr("sys.argv", ["reference_head.py", "--run", str(tmp_path), "--redo", "eval", "--only", "eval",
+                                     "--dtype", "float32", "--precision", "32"])
+    with pytest.raises(SystemExit, match="--only eval reads what extend makes"):  # no head: nothing to evaluate
+        mod.main()
+    assert not (tmp_path / "eval").exists() and not (tmp_path / "bench").exists()  # a redo redoes what follows
