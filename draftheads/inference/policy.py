@@ -45,8 +45,8 @@ The algorithm, per engine and across its ``generate`` calls:
   running tokens per step stays below the measured step-time ratio of the arm to plain decoding decodes
   plainly for ``off_steps`` steps, then probes again, so one row's rejections do not cost the others a
   wide verify. Its state lives on the request. A lone row is left to the arms, plain decoding among
-  them: switching it off on a short run of rejections cost more than it saved (a tenth or more of the
-  speedup at batch 1 with the shipped EAGLE-3 head, where a third of the steps ran plain).
+  them: switching it off after a short run of rejections cost more than it saved at batch 1 with the
+  shipped EAGLE-3 head (a third of the steps or more ran plain in two of three side-by-side runs).
 """
 
 from __future__ import annotations
