@@ -24,6 +24,12 @@ def cache_dir() -> Path:
     return Path(base) / "draftheads"
 
 
+def shown_from(path: str | os.PathLike, root: Path) -> Path:
+    """``path`` relative to ``root`` when it lies inside it (a path outside stays as it is)."""
+    full = Path(path).resolve()
+    return full.relative_to(root) if full.is_relative_to(root) else Path(path)
+
+
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -44,7 +44,13 @@ import threading
 import time
 from pathlib import Path
 
-from draftheads.utils import atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl_prefix
+from draftheads.utils import (
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    read_jsonl_prefix,
+    shown_from,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -63,7 +69,7 @@ SHIPPED = ROOT / "draftheads/data/heads/smollm2-135m-eagle3"
 
 def shown(path: Path) -> Path:
     """``path`` relative to the checkout when it lies inside it (a --run outside the checkout stays absolute)."""
-    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    return shown_from(path, ROOT)
 
 
 class Run:
@@ -780,11 +786,15 @@ def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, args
 def write_card(where: Path, card: dict, root: Path) -> None:
     """``card.json`` and ``CARD.md`` of a packaged head, the tables taken from the run ``root``."""
     bench_md, scaling = root / "bench/results.md", root / "scaling/scaling.md"
-    here = f"{ROOT}/"  # the commands ran with absolute paths; the card shows them from the checkout
-    atomic_write_text(where / "card.json", (json.dumps(card, indent=2) + "\n").replace(here, ""))
-    atomic_write_text(where / "CARD.md", card_markdown(
+    _write_card_file(where / "card.json", json.dumps(card, indent=2) + "\n")
+    _write_card_file(where / "CARD.md", card_markdown(
         card, (root / "eval/results.md").read_text(), bench_md.read_text() if card["bench"] else "",
-        scaling.read_text() if scaling.is_file() else "").replace(here, ""))
+        scaling.read_text() if scaling.is_file() else ""))
+
+
+def _write_card_file(path: Path, text: str) -> None:
+    """A card file, naming paths inside the checkout from the checkout (the commands ran with absolute ones)."""
+    atomic_write_text(path, text.replace(f"{ROOT}/", ""))
 
 
 def _card_bench(run: Run, root: Path, bench: Path, args) -> None:
@@ -811,11 +821,9 @@ def _card_scaling(run: Run, root: Path, features: Path, args) -> None:
     if card.get("scaling", {}).get("points") == points or card["data"] != feature_tokens(features):
         return
     card["scaling"] = {"command": this_command(), "points": points}
-    here = f"{ROOT}/"
-    atomic_write_text(shipped / "card.json", (json.dumps(card, indent=2) + "\n").replace(here, ""))
-    table = (root / "scaling/scaling.md").read_text().replace(here, "")
-    atomic_write_text(shipped / "CARD.md", with_section((shipped / "CARD.md").read_text(), "Data scaling",
-                                                        f"`{card['scaling']['command']}`\n\n{table}"))
+    _write_card_file(shipped / "card.json", json.dumps(card, indent=2) + "\n")
+    _write_card_file(shipped / "CARD.md", with_section((shipped / "CARD.md").read_text(), "Data scaling", (
+        f"`{card['scaling']['command']}`\n\n{(root / 'scaling/scaling.md').read_text()}")))
     run.say(f"scaling: added to {args.package_dir}/CARD.md")
 
 

@@ -32,7 +32,9 @@ from draftheads.inference.timing import generation_run, interleaved, warm_up
 from draftheads.prompts import encode_chat, load_prompts
 from draftheads.targets import DEFAULT_TARGET, load_target, resolve_target, vllm_target_dir
 from draftheads.training.backends import last_error
-from draftheads.utils import atomic_write_json, atomic_write_text
+from draftheads.utils import atomic_write_json, atomic_write_text, shown_from
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def say(msg: str) -> None:
@@ -104,7 +106,7 @@ def quick_head(kind: str, root: Path) -> Path:
               "--max-new-tokens", "96", "--features", "eagle3", "--feature-dir", str(features), "--max-seq-len", "512",
               "--val-fraction", "0.2", "--out", str(data)])
     base = f"configs/smollm2-{kind}-demo.yaml"
-    cfg = config_under(Path(__file__).resolve().parents[1] / base, root / kind, features,
+    cfg = config_under(ROOT / base, root / kind, features,
                        trainer={"max_time": f"00:00:{QUICK_MINUTES:02d}:00", "logger": False, "callbacks": [],
                                 "enable_checkpointing": False})
     path = save_config(cfg, root / kind / "train.yaml", f"{base} by scripts/vllm_check.py")
@@ -203,7 +205,7 @@ def main() -> int:
                              fmt, export_dir, args.k)
         except DraftheadsError as e:
             say(f"error: {e}")
-            res["formats"][fmt] = {"head": str(shown(Path(heads[kind]))), "error": str(e), "vllm_command": cmd}
+            res["formats"][fmt] = {"head": str(shown_from(heads[kind], ROOT)), "error": str(e), "vllm_command": cmd}
             continue
         v_tau, v_pos = vllm_acceptance(vspec["counters"], args.k)
         if kind not in ours:  # vllm-eagle3 and speculators share one head
@@ -214,7 +216,7 @@ def main() -> int:
         chain, tree, plain_here = ours[kind]
         best = max(((f"chain{args.k}", chain), ("small", tree)), key=lambda x: x[1]["tok_s"])
         res["formats"][fmt] = {
-            "head": str(shown(Path(heads[kind]))), "vllm_tau": v_tau, "our_tau": chain["metrics"].tau,
+            "head": str(shown_from(heads[kind], ROOT)), "vllm_tau": v_tau, "our_tau": chain["metrics"].tau,
             "identical_output": all(a["token_ids"] == b["token_ids"] for a, b in zip(vspec["rows"], vplain["rows"])),
             "ours_identical_to_our_plain": chain["token_ids"] == ours_plain["token_ids"] == tree["token_ids"],
             "vllm_per_position": v_pos, "our_per_position": chain["metrics"].alpha,
@@ -247,12 +249,6 @@ def failures(res: dict) -> list[str]:
 def tau_diff(r: dict) -> float:
     """Our chain tau relative to vLLM's."""
     return (r["our_tau"] - r["vllm_tau"]) / r["vllm_tau"]
-
-
-def shown(path: Path) -> Path:
-    """``path`` relative to the checkout when it lies inside it."""
-    root = Path(__file__).resolve().parents[1]
-    return path.resolve().relative_to(root) if path.resolve().is_relative_to(root) else path
 
 
 def markdown(res: dict) -> str:

@@ -1,18 +1,13 @@
-import importlib.util
 import json
 from argparse import Namespace
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts/reference_head.py"
+from _scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("reference_head", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("reference_head")
 
 
 def _point(tokens, acc, window=None, epochs=2):

@@ -1,14 +1,8 @@
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts/vllm_check.py"
+from _scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("vllm_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("vllm_check")
 
 
 def _row(vllm_tau, our_tau, identical=True):
