@@ -446,6 +446,10 @@ def main() -> int:
                  "features": [root / "main", *rounds_made, *blocks], "train": [root / "main", *rounds_made],
                  "extend": rounds_made, "eval": [evald], "bench": [bench], "blocks": blocks,
                  "scaling": [scaling, root / "main/eval-chain3"]}  # what else a stage wrote (checkpoints, logs, tables)
+    head_stage = "extend" if rounds else "train"
+    if need := unmet_need(only, head_stage, lambda n: n not in redo):  # refused before anything is removed
+        sys.exit(f"reference-head: --only {need[0]} reads what {need[1]} makes, and --redo makes {need[1]} again: "
+                 f"add {need[1]} to --only, or leave it out of --redo")
     for s in redo:
         run.forget(s)
         for target in [outputs[s], *also_made.get(s, [])]:
@@ -461,16 +465,12 @@ def main() -> int:
     if store:
         store.seed(run)
         run.on_tick.append(lambda: store.save(run.times))
-    head_stage = "extend" if rounds else "train"
     done = {**outputs, "features": features / "index.json"}
     finished = {s: done[s].exists() for s in STAGES}
     finished["distill"] = finished["distill"] and synth.exists() and distilled_all(data, synth)
-    unfinished = [(s, n) for s in sorted(only, key=STAGES.index) for n in NEEDS.get(s, ())
-                  if n not in only and not finished[head_stage if n == HEAD else n]]
-    if unfinished:
-        s, n = unfinished[0]
-        sys.exit(f"reference-head: --only {s} reads what {head_stage if n == HEAD else n} makes, and it is not "
-                 f"finished: add it to --only, or run without --only")
+    if need := unmet_need(only, head_stage, lambda n: finished[n]):
+        sys.exit(f"reference-head: --only {need[0]} reads what {need[1]} makes, and it is not finished: add it to "
+                 "--only, or run without --only")
     if "plain_tok_s" not in run.times:
         run.times["plain_tok_s"] = round(plain_decode_rate(), 2)
         run.save_times()
@@ -517,6 +517,16 @@ def main() -> int:
     run.say(f"reference-head: {'stages ' + ','.join(sorted(only, key=STAGES.index)) if only else 'all stages'} done; "
             "stage times " + json.dumps(run.times))
     return 0
+
+
+def unmet_need(only: frozenset, head_stage: str, finished) -> tuple[str, str] | None:
+    """The first (stage of --only, stage it reads) where the stage read is neither in --only nor ``finished``."""
+    for s in sorted(only, key=STAGES.index):
+        for n in NEEDS.get(s, ()):
+            n = head_stage if n == HEAD else n
+            if n not in only and not finished(n):
+                return s, n
+    return None
 
 
 def init_head_dir(spec: str) -> Path:

@@ -332,3 +332,21 @@ def test_a_redone_stage_leaves_none_of_its_old_tables(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="--only eval reads what extend makes"):  # no head: nothing to evaluate
         mod.main()
     assert not (tmp_path / "eval").exists() and not (tmp_path / "bench").exists()  # a redo redoes what follows
+
+
+def test_only_refuses_a_redo_of_its_input_before_removing_anything(tmp_path, monkeypatch):
+    mod = _script()
+    (tmp_path / "features").mkdir()
+    (tmp_path / "features/index.json").write_text("{}")
+    monkeypatch.setattr("sys.argv", ["reference_head.py", "--run", str(tmp_path), "--redo", "distill", "--only",
+                                     "scaling", "--dtype", "float32", "--precision", "32"])
+    with pytest.raises(SystemExit, match="--only scaling reads what features makes, and --redo makes features again"):
+        mod.main()
+    assert (tmp_path / "features/index.json").is_file()  # a redo of distill would have removed the features
+
+
+def test_a_stage_in_only_counts_as_made_for_the_stages_after_it():
+    mod = _script()
+    assert mod.unmet_need(frozenset({"extend", "eval"}), "extend", lambda n: False) == ("extend", "train")
+    assert mod.unmet_need(frozenset({"train", "extend", "eval"}), "extend", lambda n: n == "features") is None
+    assert mod.unmet_need(frozenset({"eval"}), "train", lambda n: n == "train") is None
