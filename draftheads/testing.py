@@ -6,6 +6,9 @@ from pathlib import Path
 
 import torch
 
+from draftheads.inference.proposers.base import Proposer
+from draftheads.inference.tree import Tree, chain_parents
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
@@ -71,7 +74,7 @@ def save_tiny_llama(out: str | Path, seed: int = 0, chat_template: bool = True, 
     out = Path(out)
     tok = tiny_tokenizer(chat_template=chat_template)
     torch.manual_seed(seed)
-    cfg = tiny_llama_config(len(tok), **config_overrides)
+    cfg = tiny_llama_config(config_overrides.pop("vocab_size", len(tok)), **config_overrides)  # ids past the tokenizer's are fine
     model = AutoModelForCausalLM.from_config(cfg)
     # larger-than-default weights make the random model's argmax depend on context
     with torch.no_grad():
@@ -124,3 +127,32 @@ def random_heads(model, seed: int = 0, draft_vocab_size: int = 64) -> dict:
         heads["eagle3"].d2t.copy_(dv.d2t)
         heads["eagle3"].t2d.copy_(dv.t2d)
     return {k: h.eval() for k, h in heads.items()}
+
+
+class OracleProposer(Proposer):
+    """Drafts the target's own greedy continuation (every drafted token accepted at T = 0), optionally with
+    wrong random siblings beside each node: the accept and commit paths of a tree, exercised in full."""
+
+    name = "oracle"
+
+    def check_tree(self, tree):
+        pass  # drafts its own shape
+
+    def __init__(self, model, depth, siblings=0, vocab=None, seed=0):
+        self.model, self.depth, self.siblings, self.vocab = model, depth, siblings, vocab
+        self.gen = torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def propose(self, st, tree=None):
+        ids = torch.tensor([st.tokens], device=self.model.device)
+        chain = []
+        for _ in range(self.depth):  # run the target ahead, greedily, without a cache
+            nxt = int(self.model(ids).logits[0, -1].argmax())
+            chain.append(nxt)
+            ids = torch.cat([ids, ids.new_tensor([[nxt]])], 1)
+        tokens, parents = [st.root, *chain], chain_parents(len(chain))
+        for node in range(len(chain)):  # optional wrong siblings beside every correct node
+            for _ in range(self.siblings):
+                tokens.append(int(torch.randint(self.vocab, (1,), generator=self.gen)))
+                parents.append(node)
+        return Tree(tokens, parents)

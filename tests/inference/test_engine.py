@@ -1,6 +1,6 @@
 import pytest
 import torch
-from _proposers import OracleProposer, RandomTreeProposer
+from _proposers import RandomTreeProposer
 
 from draftheads.errors import DraftheadsError
 from draftheads.inference.engine import Engine
@@ -12,7 +12,7 @@ from draftheads.inference.proposers.medusa import MedusaProposer
 from draftheads.inference.proposers.ngram import NGramProposer
 from draftheads.inference.sampling import SamplingParams
 from draftheads.inference.tree import TreeSpec
-from draftheads.testing import random_heads
+from draftheads.testing import OracleProposer, random_heads
 
 PROMPTS = [
     [5, 6, 7, 8, 9, 10, 11, 5, 6, 7],

@@ -1,6 +1,5 @@
 import pytest
 import torch
-from _proposers import OracleProposer
 
 from draftheads.inference.engine import Engine, EngineConfig
 from draftheads.inference.policy import AutoTree, CostCurve, RequestSwitch
@@ -8,7 +7,7 @@ from draftheads.inference.proposers.base import RequestState
 from draftheads.inference.proposers.random_draft import RandomProposer
 from draftheads.inference.sampling import SamplingParams
 from draftheads.inference.tree import parse_tree
-from draftheads.testing import random_heads
+from draftheads.testing import OracleProposer, random_heads
 
 TREES = {n: parse_tree(n) for n in ("chain2", "small", "large")}
 

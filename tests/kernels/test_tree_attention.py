@@ -238,17 +238,25 @@ def test_plan_tiles_and_split_choice():
     assert supports(80, 4) and supports(256, 1) and not supports(512, 16) and not supports(64, 12)
 
 
-def test_engine_greedy_identity_with_triton_path(tiny_target):
+@pytest.fixture(scope="module")
+def kernel_model(tiny_target):
+    """The tiny target where the kernels run: a copy on CUDA when there is one, else the CPU model (interpreter)."""
+    import copy
+
+    return copy.deepcopy(tiny_target.model).to(DEVICE) if DEVICE == "cuda" else tiny_target.model
+
+
+def test_engine_greedy_identity_with_triton_path(kernel_model):
     from draftheads.inference.engine import Engine, EngineConfig
     from draftheads.inference.proposers.eagle3 import Eagle3Proposer
     from draftheads.inference.sampling import SamplingParams
     from draftheads.inference.tree import TreeSpec
     from draftheads.testing import random_heads
 
-    model = tiny_target.model
+    model = kernel_model
     prompts = [[5, 6, 7, 8, 9], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37]]
     params = SamplingParams(max_new_tokens=8, stop_at_eos=False)
-    proposer = Eagle3Proposer(random_heads(model)["eagle3"], model)
+    proposer = Eagle3Proposer(random_heads(model)["eagle3"].to(model.device), model)
     triton_out = Engine(model, proposer=proposer, config=EngineConfig(use_triton=True),
                         tree=TreeSpec(depth=3, top_k=2, total_tokens=6)).generate(prompts, params)
     torch_out = Engine(model, config=EngineConfig(use_triton=False)).generate(prompts, params)
@@ -257,11 +265,11 @@ def test_engine_greedy_identity_with_triton_path(tiny_target):
 
 
 @pytest.mark.slow
-def test_engine_prompt_longer_than_128_tokens_on_the_triton_path(tiny_target):
+def test_engine_prompt_longer_than_128_tokens_on_the_triton_path(kernel_model):
     from draftheads.inference.engine import Engine, EngineConfig
     from draftheads.inference.sampling import SamplingParams
 
-    model = tiny_target.model
+    model = kernel_model
     prompt = [(7 * i) % 250 + 3 for i in range(140)]
     params = SamplingParams(max_new_tokens=3, stop_at_eos=False)
     got = Engine(model, config=EngineConfig(use_triton=True)).generate([prompt], params)
