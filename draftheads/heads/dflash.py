@@ -13,7 +13,9 @@ plus the block's own keys (non-causal within the block unless ``causal``). The l
 head over a draft vocabulary (``d2t``).
 
 Training places many blocks in one sequence (:func:`block_attention_mask`): block j, anchored at
-position a_j, sees the context of its own document strictly before a_j, and its own block.
+position a_j, sees the context of its own document strictly before a_j, and its own block. The same
+pattern as a FlexAttention block mask (:func:`block_flex_mask`) skips the context tiles a block never
+reads instead of materialising [Q, T + Q] per row (``BLOCK_MASKS`` names both).
 
 ``target_layer_ids`` are HF hidden-state ids (1 = output of the first decoder layer), the project's
 convention everywhere; vLLM's ``dflash_config.target_layer_ids`` count decoder-layer outputs from 0,
@@ -23,11 +25,14 @@ norm there and vLLM does not, so the two would read different states.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from draftheads.errors import DraftheadsError
 from draftheads.heads.layers import DraftMLP, LayerSpec, RMSNorm, Rotary, apply_rope
@@ -127,16 +132,19 @@ class BlockAttention(nn.Module):
 
     def forward(self, x, cos, sin, ctx_kv, mask):
         """x [B, Q, H] block tokens; ctx_kv (k, v) [B, kvh, T, D]; mask bool [B or 1, 1, Q, T + Q]
-        (True = attend). Returns [B, Q, H]."""
+        (True = attend) or the same as a FlexAttention ``BlockMask``. Returns [B, Q, H]."""
         b, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.h, self.d)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k, v = self.keys_values(x, cos, sin)
         k, v = torch.cat([ctx_kv[0], k], 2), torch.cat([ctx_kv[1], v], 2)
-        rep = self.h // self.kvh
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if isinstance(mask, BlockMask):
+            out = _flex_attention(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
+        else:
+            rep = self.h // self.kvh
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.h * self.d))
 
 
@@ -233,3 +241,42 @@ def block_attention_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_siz
     if causal:
         within &= torch.arange(q, device=anchors.device)[None, :] <= torch.arange(q, device=anchors.device)[:, None]
     return torch.cat([ctx, within.expand(b, q, q)], -1)[:, None]
+
+
+def block_flex_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, causal: bool = False,
+                    sliding_window: int | None = None) -> BlockMask:
+    """:func:`block_attention_mask` as a FlexAttention ``BlockMask`` (the same attend pattern, block-sparse)."""
+    b, n = anchors.shape
+    t = doc_ids.shape[1]
+    valid = anchors >= 0
+    a = anchors.clamp(min=0)
+    anchor_doc = doc_ids.gather(1, a)
+    lowest = a - sliding_window if sliding_window is not None else torch.zeros_like(a)
+
+    def attend(row, head, qi, ki):
+        j = qi // block_size
+        in_ctx = ki < t
+        ctx = (in_ctx & valid[row, j] & (doc_ids[row, ki.clamp(max=t - 1)] == anchor_doc[row, j])
+               & (ki < a[row, j]) & (ki >= lowest[row, j]))
+        own = ~in_ctx & ((ki - t) // block_size == j)
+        if causal:
+            own = own & (ki - t <= qi)
+        return ctx | own
+
+    return create_block_mask(attend, b, None, n * block_size, t + n * block_size, device=anchors.device)
+
+
+BLOCK_MASKS = {"sdpa": block_attention_mask, "flex": block_flex_mask}
+"""How a training step masks its blocks: a dense boolean mask for SDPA, or a FlexAttention block mask."""
+
+
+@functools.cache
+def _flex_attention(device: torch.device):
+    """FlexAttention compiled where it runs fused (CUDA); eager elsewhere (CPU forward only, for parity tests)."""
+    return torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else _eager_flex_attention
+
+
+def _eager_flex_attention(*args, **kwargs):
+    with warnings.catch_warnings():  # eager materialises the scores: what a CPU parity check wants
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(*args, **kwargs)

@@ -2,8 +2,8 @@
 
 For a row with target features, ``anchors_per_row`` anchor positions a are drawn among the positions
 whose next token is trained (``loss_mask[a + 1]``); block j is ``[x_a, MASK, ...]`` at a .. a + B - 1
-and sees its document's context before a (:func:`~draftheads.heads.dflash.block_attention_mask`). The
-mask at a + k is trained towards the target's own next-token distribution at a + k - 1 (KL, teacher
+and sees its document's context before a (:func:`~draftheads.heads.dflash.block_attention_mask`, or its
+FlexAttention form on CUDA). The mask at a + k is trained towards the target's own next-token distribution at a + k - 1 (KL, teacher
 logits computed only at those positions) or its token (``loss: ce``), weighted by exp(-(k - 1) / B),
 over the target's full vocabulary through its frozen lm_head, with the chunked/Liger fused losses.
 Anchors are drawn from a generator seeded by the step in training (a resumed run draws the same) and
@@ -19,7 +19,7 @@ import torch
 
 from draftheads.errors import DraftheadsError
 from draftheads.heads import DFlashHead, LayerSpec
-from draftheads.heads.dflash import block_attention_mask, default_target_layer_ids
+from draftheads.heads.dflash import BLOCK_MASKS, default_target_layer_ids
 from draftheads.targets import check_layer_ids
 from draftheads.training.losses import linear_argmax, linear_cross_entropy, linear_kl, linear_token_nll
 from draftheads.training.module import DraftHeadModule
@@ -96,6 +96,7 @@ class DFlashModule(DraftHeadModule):
         loss: str = "kl",
         position_weighting: str = "decay",
         dpace_alpha: float = 0.5,
+        attention: str = "auto",
         seed: int = 0,
         **kwargs,
     ):
@@ -115,6 +116,9 @@ class DFlashModule(DraftHeadModule):
             position_weighting: ``decay`` (draft j weighs exp(-(j - 1) / block_size)) or ``dpace`` (weights
                 from the draft's own confidence, :func:`dpace_weights`; needs ``loss: ce``).
             dpace_alpha: D-PACE's confidence smoothing, in (0, 1].
+            attention: how blocks are masked: ``sdpa`` (a dense mask), ``flex`` (a FlexAttention block mask,
+                compiled; it trains on CUDA only, as FlexAttention has no CPU backward) or ``auto`` (flex on
+                CUDA, sdpa elsewhere).
             seed: seed of the anchor draws (a function of seed and step, so resumes are exact).
             **kwargs: see :class:`DraftHeadModule`.
         """
@@ -131,6 +135,8 @@ class DFlashModule(DraftHeadModule):
             raise DraftheadsError("model.position_weighting=dpace weighs cross-entropy terms: set model.loss: ce")
         if not 0 < dpace_alpha <= 1:
             raise DraftheadsError(f"model.dpace_alpha={dpace_alpha} must be in (0, 1]")
+        if attention not in (*BLOCK_MASKS, "auto"):
+            raise DraftheadsError(f"model.attention={attention!r}: use auto or one of {list(BLOCK_MASKS)}")
 
     def build_head(self, info, datamodule):
         hp = self.hparams
@@ -172,6 +178,16 @@ class DFlashModule(DraftHeadModule):
                                   "to an id the training data never uses")
         return free[-1]
 
+    def block_mask(self, device: torch.device):
+        """The mask builder of ``model.attention`` on ``device``."""
+        name = self.hparams.attention
+        if name == "auto":
+            name = "flex" if device.type == "cuda" else "sdpa"
+        if name == "flex" and device.type != "cuda" and torch.is_grad_enabled():
+            raise DraftheadsError("model.attention=flex trains on CUDA only (FlexAttention has no backward on "
+                                  f"{device.type}): use auto or sdpa")
+        return BLOCK_MASKS[name]
+
     def block_forward(self, batch) -> Blocks:
         """The step's anchors drawn and all their blocks run in one head forward."""
         cfg = self.head.config
@@ -191,7 +207,7 @@ class DFlashModule(DraftHeadModule):
         block = self.head.block_inputs(self.embed(ids.gather(1, a)).to(ctx.dtype))
         offsets = torch.arange(blk, device=ids.device)
         qpos = (pos.gather(1, a)[:, :, None] + offsets).reshape(bsz, -1)
-        mask = block_attention_mask(anchors, docs, blk, cfg.causal, cfg.sliding_window)
+        mask = self.block_mask(ids.device)(anchors, docs, blk, cfg.causal, cfg.sliding_window)
         out = self.head(block, qpos, kv, mask).view(bsz, -1, blk, ctx.shape[-1])  # [B, N, blk, H]
 
         pred = a[:, :, None] + offsets + (1 - cfg.first_draft_slot)  # [B, N, blk] row position each slot predicts

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from draftheads.errors import DraftheadsError
-from draftheads.heads.dflash import DFlashConfig, DFlashHead, block_attention_mask
+from draftheads.heads.dflash import DFlashConfig, DFlashHead, block_attention_mask, block_flex_mask
 from draftheads.heads.layers import LayerSpec
 
 SPEC = LayerSpec(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -30,6 +30,30 @@ def test_block_mask_by_hand_two_anchors():
     window = block_attention_mask(torch.tensor([[3, -1]]), torch.zeros(1, 6, dtype=torch.long), 2, sliding_window=2)
     assert window[0, 0, 0, :6].int().tolist() == [0, 1, 1, 0, 0, 0]
     assert window[0, 0, 2, :6].int().tolist() == [0] * 6  # no anchor: only its own block
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 3)])
+def test_the_flex_block_mask_attends_where_the_dense_mask_does(causal, window):
+    anchors = torch.tensor([[3, 8, -1], [1, 5, 9]])
+    docs = torch.tensor([[0] * 6 + [1] * 6, [0, 0, 0, 1, 1, 1, 1, 1, 1, 1, -1, -1]])  # the second row padded
+    dense = block_attention_mask(anchors, docs, 3, causal, window)[:, 0]
+    flex = block_flex_mask(anchors, docs, 3, causal, window)
+    b, q, k = dense.shape
+    rows, qi, ki = torch.arange(b)[:, None, None], torch.arange(q)[None, :, None], torch.arange(k)[None, None, :]
+    assert torch.equal(flex.mask_mod(rows, 0, qi, ki).expand(b, q, k), dense)
+
+
+def test_the_head_gives_the_same_blocks_through_flex_attention():
+    head = _head()
+    t = 12
+    feats, embeds = torch.randn(1, t, 2 * 24), torch.randn(1, t, SPEC.hidden_size)
+    anchors, docs = torch.tensor([[2, 6, 10]]), torch.tensor([[0] * 5 + [1] * 7])
+    kv = head.context_kv(head.context(feats), torch.arange(t)[None])
+    q, qpos = head.block_inputs(embeds[:, anchors[0]]), (anchors[0, :, None] + torch.arange(3)).reshape(1, -1)
+    with torch.no_grad():  # FlexAttention runs forward only on CPU
+        want = head(q, qpos, kv, block_attention_mask(anchors, docs, 3))
+        got = head(q, qpos, kv, block_flex_mask(anchors, docs, 3))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_many_blocks_in_one_pass_equal_each_block_alone():

@@ -66,6 +66,26 @@ def test_loss_equals_a_block_by_block_reference(module):
     assert len(accs) == cfg.block_size - 1
 
 
+def test_flex_attention_gives_the_dense_masks_loss_and_trains_on_cuda_only(module):
+    batch = block_batch()
+    with torch.no_grad():
+        want, _, _ = module.compute_loss(batch)
+        module.hparams.attention = "flex"
+        try:
+            got, _, _ = module.compute_loss(batch)
+        finally:
+            module.hparams.attention = "auto"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    module.hparams.attention = "flex"
+    try:
+        with pytest.raises(DraftheadsError, match="model.attention=flex trains on CUDA only"):
+            module.compute_loss(batch)  # with gradients, on CPU
+    finally:
+        module.hparams.attention = "auto"
+    with pytest.raises(DraftheadsError, match="model.attention='dense': use auto or one of"):
+        DFlashModule(target="x", attention="dense")
+
+
 def test_mask_token_must_not_be_a_real_token(tiny_llama_dir):
     m = DFlashModule(target=str(tiny_llama_dir), mask_token_id=5, block_size=4)
     from types import SimpleNamespace
