@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -121,11 +122,17 @@ def random_heads(model, seed: int = 0, draft_vocab_size: int = 64) -> dict:
     for head in heads.values():
         for p in head.parameters():
             torch.nn.init.normal_(p, std=0.1)
+    for name in ("dflash", "dspark"):  # the same over the draft vocabulary, with its own lm_head
+        heads[f"{name}_vocab"] = head = type(heads[name])(replace(heads[name].config, draft_vocab_size=draft_vocab_size))
+        for p in head.parameters():
+            torch.nn.init.normal_(p, std=0.1)
     ids = torch.sort(torch.randperm(vocab)[:draft_vocab_size]).values
     dv = DraftVocab(ids, vocab, 1.0)
     with torch.no_grad():
         heads["eagle3"].d2t.copy_(dv.d2t)
         heads["eagle3"].t2d.copy_(dv.t2d)
+        heads["dflash_vocab"].d2t.copy_(dv.d2t)
+        heads["dspark_vocab"].d2t.copy_(dv.d2t)
     return {k: h.eval() for k, h in heads.items()}
 
 

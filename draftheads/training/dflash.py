@@ -5,7 +5,8 @@ whose next token is trained (``loss_mask[a + 1]``); block j is ``[x_a, MASK, ...
 and sees its document's context before a (:func:`~draftheads.heads.dflash.block_attention_mask`, or its
 FlexAttention form on CUDA). The mask at a + k is trained towards the target's own next-token distribution at a + k - 1 (KL, teacher
 logits computed only at those positions) or its token (``loss: ce``), weighted by exp(-(k - 1) / B),
-over the target's full vocabulary through its frozen lm_head, with the chunked/Liger fused losses.
+over the target's full vocabulary through its frozen lm_head, or over a draft vocabulary through the
+head's own lm_head (``draft_vocab_size``; the teacher restricted to it), with the chunked/Liger fused losses.
 Anchors are drawn from a generator seeded by the step in training (a resumed run draws the same) and
 by the batch in validation (epochs are compared on the same blocks); ``val/acc_k`` is the top-1 agreement with the target at block position k.
 """
@@ -21,7 +22,13 @@ from draftheads.errors import DraftheadsError
 from draftheads.heads import DFlashHead, LayerSpec
 from draftheads.heads.dflash import BLOCK_MASKS, default_target_layer_ids
 from draftheads.targets import check_layer_ids
-from draftheads.training.losses import linear_argmax, linear_cross_entropy, linear_kl, linear_token_nll
+from draftheads.training.losses import (
+    IGNORE_INDEX,
+    linear_argmax,
+    linear_cross_entropy,
+    linear_kl,
+    linear_token_nll,
+)
 from draftheads.training.module import DraftHeadModule
 
 LOSSES = ("kl", "ce")
@@ -97,6 +104,7 @@ class DFlashModule(DraftHeadModule):
         position_weighting: str = "decay",
         dpace_alpha: float = 0.5,
         attention: str = "auto",
+        draft_vocab_size: int | None = None,
         seed: int = 0,
         **kwargs,
     ):
@@ -119,6 +127,9 @@ class DFlashModule(DraftHeadModule):
             attention: how blocks are masked: ``sdpa`` (a dense mask), ``flex`` (a FlexAttention block mask,
                 compiled; it trains on CUDA only, as FlexAttention has no CPU backward) or ``auto`` (flex on
                 CUDA, sdpa elsewhere).
+            draft_vocab_size: an own lm_head over this many most frequent training targets (``d2t``),
+                started at the target's rows and trained, the teacher restricted to them (as EAGLE-3's);
+                None: the target's frozen lm_head over the full vocabulary.
             seed: seed of the anchor draws (a function of seed and step, so resumes are exact).
             **kwargs: see :class:`DraftHeadModule`.
         """
@@ -135,6 +146,8 @@ class DFlashModule(DraftHeadModule):
             raise DraftheadsError("model.position_weighting=dpace weighs cross-entropy terms: set model.loss: ce")
         if not 0 < dpace_alpha <= 1:
             raise DraftheadsError(f"model.dpace_alpha={dpace_alpha} must be in (0, 1]")
+        if draft_vocab_size is not None and draft_vocab_size < 1:
+            raise DraftheadsError(f"model.draft_vocab_size={draft_vocab_size} must be >= 1, or null for the full vocabulary")
         if attention not in (*BLOCK_MASKS, "auto"):
             raise DraftheadsError(f"model.attention={attention!r}: use auto or one of {list(BLOCK_MASKS)}")
 
@@ -147,11 +160,18 @@ class DFlashModule(DraftHeadModule):
             layer=LayerSpec.from_hf_config(self.target.config), vocab_size=info.vocab_size, target_layer_ids=ids,
             mask_token_id=mask_id, num_layers=hp.num_layers, block_size=hp.block_size,
             target_hidden_size=info.hidden_size, causal=hp.causal, sliding_window=hp.sliding_window,
-            **self.extra_config(),
+            draft_vocab_size=hp.draft_vocab_size, **self.extra_config(),
         ))
         with torch.no_grad():  # start the mask where the token it stands for sits
             head.mask_embedding.copy_(self.target.get_input_embeddings().weight[mask_id].float())
+        if hp.draft_vocab_size is not None:
+            self.install_draft_vocab(head, self.build_draft_vocab(datamodule, hp.draft_vocab_size, 1.0))
         return head
+
+    def head_labels(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids as the head's class labels (IGNORE_INDEX where its draft vocabulary lacks one)."""
+        labels = self.in_head_vocab(ids)
+        return torch.where(labels >= 0, labels, torch.full_like(labels, IGNORE_INDEX))
 
     def extra_config(self) -> dict:
         """Config fields of a subclass's head beyond DFlash's."""
@@ -224,7 +244,7 @@ class DFlashModule(DraftHeadModule):
         b = self.block_forward(batch)
         ids = batch["input_ids"]
         w_student = self.head.projection(self.lm_head_weight).to(b.out.dtype)
-        w_teacher = self.lm_head_weight.to(b.last.dtype)
+        w_teacher = self.teacher_weight(b.last.dtype)
         chunk = hp.loss_chunk_size
         dpace = self._dpace_weights(b, ids, w_student) if hp.position_weighting == "dpace" else None
         total = b.out.new_zeros((), dtype=torch.float32)
@@ -240,7 +260,7 @@ class DFlashModule(DraftHeadModule):
             if hp.loss == "kl":
                 lk = linear_kl(hs, w_student, b.last[rows, pred - 1], w_teacher, impl=hp.loss_impl, chunk_size=chunk)
             else:
-                lk = linear_cross_entropy(hs, w_student, ids[rows, pred], impl=hp.loss_impl,
+                lk = linear_cross_entropy(hs, w_student, self.head_labels(ids[rows, pred]), impl=hp.loss_impl,
                                           chunk_size=chunk, row_weights=None if dpace is None else dpace[:, :, k][m])
             total = total + (position_weight(j, cfg.block_size) if dpace is None else 1.0) * lk
             logs[f"loss_{j}"] = lk.detach()
@@ -256,7 +276,9 @@ class DFlashModule(DraftHeadModule):
             m = b.valid[:, :, k]
             if m.any():
                 hs, rows, pred = b.rows(k)
-                nll = linear_token_nll(hs.detach(), w_student.detach(), ids[rows, pred],
+                labels = self.head_labels(ids[rows, pred])
+                known = labels != IGNORE_INDEX  # a token outside the draft vocabulary: confidence 0
+                nll = linear_token_nll(hs.detach(), w_student.detach(), labels.clamp(min=0),
                                        self.hparams.loss_chunk_size)
-                conf[:, :, k][m] = torch.exp(-nll)
+                conf[:, :, k][m] = torch.where(known, torch.exp(-nll), torch.zeros_like(nll))
         return dpace_weights(conf, b.valid, self.hparams.dpace_alpha)

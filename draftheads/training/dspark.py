@@ -103,7 +103,7 @@ class DSparkModule(DFlashModule):
         ids = batch["input_ids"]
         w_student = self.head.projection(self.lm_head_weight).to(b.out.dtype)
         w_markov = self.head.markov_head.markov_w2.weight if cfg.markov_rank else None
-        w_teacher = self.lm_head_weight.to(b.last.dtype)
+        w_teacher = self.teacher_weight(b.last.dtype)
         total = b.out.new_zeros((), dtype=torch.float32)
         logs, accs = {}, []
         for j, k in b.draft_slots(cfg):
@@ -114,7 +114,8 @@ class DSparkModule(DFlashModule):
             hs, rows, pred = b.rows(k)
             prev = ids[rows, pred - 1]  # the token before the predicted one (the anchor at j = 1)
             e = self.head.markov_embed(prev)  # the Markov bias e @ w2^T rides in the fused projection
-            lk, accept, top = linear_block_distill(hs, w_student, b.last[rows, pred - 1], w_teacher, ids[rows, pred],
+            lk, accept, top = linear_block_distill(hs, w_student, b.last[rows, pred - 1], w_teacher,
+                                                   self.head_labels(ids[rows, pred]),
                                                    hp.ce_weight, hp.tv_weight, hp.kl_weight, hp.loss_chunk_size,
                                                    bias_in=None if e is None else e.to(hs.dtype), bias_w=w_markov,
                                                    impl=hp.loss_impl)

@@ -15,28 +15,12 @@ from draftheads.heads import (
     LayerSpec,
     default_aux_layer_ids,
 )
-from draftheads.heads.vocab import DraftVocab, build_draft_vocab
 from draftheads.targets import check_layer_ids
 from draftheads.training.data import doc_causal_mask
 from draftheads.training.losses import eagle3_loss, eagle_loss, future_mask, shift_left
 from draftheads.training.module import DraftHeadModule
 
 log = logging.getLogger(__name__)
-
-
-def _draft_vocab(module: DraftHeadModule, datamodule, size: int | None, coverage: float,
-                 max_size: int | None = None) -> DraftVocab:
-    """Ranked by the training targets; sized (when ``size`` is None) to cover ``coverage`` of the
-    validation targets, so the draft vocabulary is judged on text it was not built from."""
-    v = module.info.vocab_size
-    vocab = build_draft_vocab(datamodule.token_counts(v), size=size, coverage=coverage,
-                              held_out=datamodule.token_counts(v, split="val"),
-                              tie_break=datamodule.token_counts(v, masked=False), max_size=max_size)
-    held = "n/a (no validation split)" if vocab.held_out_coverage is None else f"{100 * vocab.held_out_coverage:.1f}%"
-    log.warning("draft vocabulary: %d tokens covering %.1f%% of training and %s of validation target tokens",
-                vocab.size, 100 * vocab.coverage, held)
-    module.draft_vocab_coverage = {"train": vocab.coverage, "val": vocab.held_out_coverage}
-    return vocab
 
 
 AUX_SCALES = ("median", "rms", "none")
@@ -52,35 +36,7 @@ def feature_scale(states: torch.Tensor, how: str) -> torch.Tensor:
     return value.clamp(min=1e-6)
 
 
-def _install_vocab(head, vocab: DraftVocab) -> None:
-    with torch.no_grad():
-        head.d2t.copy_(vocab.d2t)
-        head.t2d.copy_(vocab.t2d)
-
-
-class _EagleBase(DraftHeadModule):
-    def draft_ids(self) -> torch.Tensor | None:
-        if getattr(self.head.config, "draft_vocab_size", None):
-            return torch.arange(self.head.d2t.numel(), device=self.head.d2t.device) + self.head.d2t
-        return None
-
-    def target_argmax_in_head_vocab(self, batch: dict, last: torch.Tensor) -> torch.Tensor:
-        """[B, T]: the target's argmax at each position, as a head-vocabulary index (-1 if absent)."""
-        flat = self.target_argmax(batch, last).reshape(-1)
-        ids = self.draft_ids()
-        if ids is not None:
-            lookup = torch.full((self.info.vocab_size,), -1, dtype=torch.long, device=flat.device)
-            lookup[ids] = torch.arange(ids.numel(), device=flat.device)
-            flat = lookup[flat]
-        return flat.view(last.shape[:2])
-
-    def teacher_weight(self, dtype) -> torch.Tensor:
-        w = self.lm_head_weight.to(dtype)
-        ids = self.draft_ids()
-        return w[ids] if ids is not None else w
-
-
-class EagleModule(_EagleBase):
+class EagleModule(DraftHeadModule):
     head_type = "eagle"
 
     def __init__(
@@ -109,10 +65,7 @@ class EagleModule(_EagleBase):
         head = EagleHead(EagleConfig(layer=LayerSpec.from_hf_config(self.target.config), vocab_size=info.vocab_size,
                                      draft_vocab_size=hp.draft_vocab_size or None))
         if hp.draft_vocab_size:
-            vocab = _draft_vocab(self, datamodule, hp.draft_vocab_size, 0.95)
-            _install_vocab(head, vocab)
-            with torch.no_grad():
-                head.lm_head.weight.copy_(self.lm_head_weight[vocab.draft_ids].float())
+            self.install_draft_vocab(head, self.build_draft_vocab(datamodule, hp.draft_vocab_size, 0.95))
         return head
 
     def compute_loss(self, batch):
@@ -129,14 +82,14 @@ class EagleModule(_EagleBase):
         valid = future_mask(batch["loss_mask"], batch["doc_ids"], 2)
         loss, logs = eagle_loss(
             pred, f, valid, self.head.projection(self.lm_head_weight.to(f.dtype)), self.teacher_weight(f.dtype),
-            self.target_argmax_in_head_vocab(batch, f), self.hparams.feature_weight, self.hparams.kl_weight,
+            self.in_head_vocab(self.target_argmax(batch, f)), self.hparams.feature_weight, self.hparams.kl_weight,
             impl=self.hparams.loss_impl, chunk_size=self.hparams.loss_chunk_size,
         )
         acc = logs.pop("acc")
         return loss, logs, [acc]
 
 
-class Eagle3Module(_EagleBase):
+class Eagle3Module(DraftHeadModule):
     head_type = "eagle3"
 
     def __init__(
@@ -173,7 +126,7 @@ class Eagle3Module(_EagleBase):
 
     def build_head(self, info, datamodule):
         hp = self.hparams
-        vocab = _draft_vocab(self, datamodule, hp.draft_vocab_size, hp.vocab_coverage, hp.draft_vocab_max)
+        vocab = self.build_draft_vocab(datamodule, hp.draft_vocab_size, hp.vocab_coverage, hp.draft_vocab_max)
         ids = tuple(hp.aux_layer_ids) if hp.aux_layer_ids else default_aux_layer_ids(info.num_layers)
         check_layer_ids(ids, info.num_layers, "model.aux_layer_ids")
         head = Eagle3Head(Eagle3Config(
@@ -181,9 +134,8 @@ class Eagle3Module(_EagleBase):
             draft_vocab_size=vocab.size, aux_layer_ids=ids, target_hidden_size=info.hidden_size,
             ttt_steps=hp.ttt_steps,
         ))
-        _install_vocab(head, vocab)
+        self.install_draft_vocab(head, vocab)
         with torch.no_grad():
-            head.lm_head.weight.copy_(self.lm_head_weight[vocab.draft_ids].float())
             if hp.aux_scale != "none":
                 head.aux_scale.copy_(self._aux_scale(datamodule, ids, hp.aux_scale))
         head.lm_head.weight.requires_grad_(not hp.freeze_lm_head)
@@ -226,7 +178,7 @@ class Eagle3Module(_EagleBase):
         )
         loss, per_step, accs = eagle3_loss(
             outs, last, batch["loss_mask"], batch["doc_ids"], self.head.lm_head.weight, self.teacher_weight(last.dtype),
-            self.target_argmax_in_head_vocab(batch, last), decay=self.hparams.decay,
+            self.in_head_vocab(self.target_argmax(batch, last)), decay=self.hparams.decay,
             impl=self.hparams.loss_impl, chunk_size=self.hparams.loss_chunk_size,
         )
         return loss, {f"loss_{j + 1}": v for j, v in enumerate(per_step)}, accs

@@ -19,6 +19,7 @@ import torch
 from draftheads.errors import DraftheadsError
 from draftheads.heads import check_head_fits_target, load_head
 from draftheads.heads.base import HEAD_FILES, save_head_dir
+from draftheads.heads.vocab import DraftVocab, build_draft_vocab
 from draftheads.inference.metrics import simulated_tau
 from draftheads.targets import freeze, hidden_states, load_target
 from draftheads.training.data import answer_window, doc_causal_mask
@@ -191,6 +192,53 @@ class DraftHeadModule(L.LightningModule):
             return batch["target_argmax"]
         flat = linear_argmax(last.reshape(-1, last.shape[-1]), self.lm_head_weight.to(last.dtype))
         return flat.view(last.shape[:2])
+
+    # ------------------------------------------------------------------ draft vocabulary
+
+    def build_draft_vocab(self, datamodule, size: int | None, coverage: float,
+                          max_size: int | None = None) -> DraftVocab:
+        """The draft vocabulary, ranked by the training targets; sized (when ``size`` is None) to cover
+        ``coverage`` of the validation targets, so it is judged on text it was not built from."""
+        v = self.info.vocab_size
+        vocab = build_draft_vocab(datamodule.token_counts(v), size=size, coverage=coverage,
+                                  held_out=datamodule.token_counts(v, split="val"),
+                                  tie_break=datamodule.token_counts(v, masked=False), max_size=max_size)
+        held = "n/a (no validation split)" if vocab.held_out_coverage is None else f"{100 * vocab.held_out_coverage:.1f}%"
+        log.warning("draft vocabulary: %d tokens covering %.1f%% of training and %s of validation target tokens",
+                    vocab.size, 100 * vocab.coverage, held)
+        self.draft_vocab_coverage = {"train": vocab.coverage, "val": vocab.held_out_coverage}
+        return vocab
+
+    @torch.no_grad()
+    def install_draft_vocab(self, head, vocab: DraftVocab) -> None:
+        """The head's ``d2t`` (and ``t2d`` where it has one) from ``vocab``, its lm_head started at the
+        target's rows of those tokens."""
+        head.d2t.copy_(vocab.d2t)
+        if hasattr(head, "t2d"):
+            head.t2d.copy_(vocab.t2d)
+        head.lm_head.weight.copy_(self.lm_head_weight[vocab.draft_ids].float())
+
+    def draft_ids(self) -> torch.Tensor | None:
+        """Target ids of the head's draft vocabulary in its order, or None (the full vocabulary)."""
+        if getattr(self.head.config, "draft_vocab_size", None):
+            return torch.arange(self.head.d2t.numel(), device=self.head.d2t.device) + self.head.d2t
+        return None
+
+    def in_head_vocab(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids as indices of the head's vocabulary (-1 where the draft vocabulary lacks one)."""
+        draft = self.draft_ids()
+        if draft is None:
+            return ids
+        lookup = torch.full((self.info.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        lookup[draft.to(ids.device)] = torch.arange(draft.numel(), device=ids.device)
+        return lookup[ids]
+
+    def teacher_weight(self, dtype) -> torch.Tensor:
+        """The target's lm_head rows of the head's vocabulary: the teacher's distribution is the target's
+        restricted to the tokens the head can draft."""
+        w = self.lm_head_weight.to(dtype)
+        ids = self.draft_ids()
+        return w[ids] if ids is not None else w
 
     @property
     def head_dtype(self) -> torch.dtype:

@@ -53,6 +53,8 @@ def _proposer(name, model):
         "dspark": lambda: DSparkProposer(heads["dspark"], model, min_survival=0.0),
         "dspark-tree": lambda: DSparkProposer(heads["dspark"], model, min_survival=0.0),
         "dspark-cut": lambda: DSparkProposer(heads["dspark"], model, min_survival=0.3),
+        "dflash-vocab": lambda: DFlashProposer(heads["dflash_vocab"], model),
+        "dspark-vocab": lambda: DSparkProposer(heads["dspark_vocab"], model, min_survival=0.0),
     }[name]()
 
 
@@ -60,11 +62,11 @@ PARAMS = SamplingParams(max_new_tokens=NEW, stop_at_eos=False)
 SPEC = TreeSpec(depth=4, top_k=3, total_tokens=12)
 TREES = {"plain": None, "ngram": "chain3", "random": SPEC, "oracle": SPEC, "medusa": "small", "eagle": SPEC,
          "eagle3": SPEC, "dflash": "chain4", "dflash-tree": SPEC,
-         "dspark": "chain4", "dspark-tree": SPEC, "dspark-cut": SPEC}
+         "dspark": "chain4", "dspark-tree": SPEC, "dspark-cut": SPEC, "dflash-vocab": "chain4", "dspark-vocab": SPEC}
 
 
 @pytest.mark.parametrize("name", ["plain", "ngram", "random", "oracle", "medusa", "eagle", "eagle3", "dflash",
-                                  "dflash-tree", "dspark", "dspark-tree", "dspark-cut"])
+                                  "dflash-tree", "dspark", "dspark-tree", "dspark-cut", "dflash-vocab", "dspark-vocab"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_identity(model, reference, name, batch):
     engine = Engine(model, proposer=_proposer(name, model), tree=TREES[name])

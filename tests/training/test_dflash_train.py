@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from _blocks import block_batch
+from _blocks import block_batch, with_draft_vocab
 
 from draftheads.errors import DraftheadsError
 from draftheads.targets import hidden_states
@@ -10,11 +10,13 @@ from draftheads.training.dflash import DFlashModule, dpace_weights, sample_ancho
 from draftheads.training.losses import plain_linear_kl
 
 
-@pytest.fixture(scope="module")
-def module(tiny_llama_dir):
+@pytest.fixture(scope="module", params=[None, 20], ids=["full-vocab", "draft-vocab"])
+def module(request, tiny_llama_dir):
     torch.manual_seed(0)
     m = DFlashModule(target=str(tiny_llama_dir), block_size=4, anchors_per_row=5, num_layers=2,
                      target_layer_ids=[1, 3], loss_impl="chunked")
+    if request.param:
+        with_draft_vocab(m, request.param, block_batch())
     m.configure_model()
     for p in m.head.parameters():
         torch.nn.init.normal_(p, std=0.1)
@@ -40,6 +42,11 @@ def test_loss_equals_a_block_by_block_reference(module):
     gen = torch.Generator().manual_seed(module.hparams.seed * 1_000_003 + module.global_step)
     anchors = sample_anchors(batch["loss_mask"], batch["doc_ids"], module.hparams.anchors_per_row, gen)
     w = module.lm_head_weight
+    ws, wt = w, w
+    if cfg.draft_vocab_size:  # the head's own lm_head; the teacher over the same tokens
+        draft = torch.arange(cfg.draft_vocab_size) + head.d2t
+        ws, wt = head.lm_head.weight, w[draft]
+        assert torch.equal(module.draft_ids(), draft)
     per_k = {k: ([], []) for k in range(1, cfg.block_size)}
     for r in range(2):  # each row and each block alone, with full logits
         ids, docs, pos = (batch[k][r: r + 1] for k in ("input_ids", "doc_ids", "position_ids"))
@@ -60,7 +67,7 @@ def test_loss_equals_a_block_by_block_reference(module):
                     continue
                 per_k[k][0].append(out[0, k])
                 per_k[k][1].append(hs[n][0, j - 1 - start])
-    want = sum(math.exp(-(k - 1) / cfg.block_size) * plain_linear_kl(torch.stack(s), w, torch.stack(t), w)
+    want = sum(math.exp(-(k - 1) / cfg.block_size) * plain_linear_kl(torch.stack(s), ws, torch.stack(t), wt)
                for k, (s, t) in per_k.items() if s)
     torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
     assert len(accs) == cfg.block_size - 1
@@ -117,13 +124,15 @@ def test_dpace_loss_is_the_confidence_weighted_cross_entropy(module):
     try:
         loss, _, _ = module.compute_loss(batch)
         b = module.block_forward(batch)
-        w = module.lm_head_weight
-        logits = b.out @ w.T  # [B, N, blk, V]
-        nll = torch.logsumexp(logits, -1) - logits.gather(
-            -1, batch["input_ids"].gather(1, b.pred.flatten(1)).view_as(b.pred)[..., None])[..., 0]
-        weights = dpace_weights(torch.exp(-nll), b.valid, hp.dpace_alpha)
-        want = sum((weights[:, :, k] * nll[:, :, k])[b.valid[:, :, k]].mean() for k in range(1, 4)
-                   if b.valid[:, :, k].any())
+        logits = b.out @ module.head.projection(module.lm_head_weight).T  # [B, N, blk, V or draft V]
+        # the head's classes: a token outside a draft vocabulary has no CE term and confidence 0
+        labels = module.in_head_vocab(batch["input_ids"].gather(1, b.pred.flatten(1)).view_as(b.pred))
+        known = labels >= 0
+        nll = torch.logsumexp(logits, -1) - logits.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+        weights = dpace_weights(torch.where(known, torch.exp(-nll), 0.0), b.valid, hp.dpace_alpha)
+        rows = b.valid & known
+        want = sum((weights[:, :, k] * nll[:, :, k])[rows[:, :, k]].mean() for k in range(1, 4)
+                   if rows[:, :, k].any())
         torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
     finally:
         hp.position_weighting, hp.loss = "decay", "kl"

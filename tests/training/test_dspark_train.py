@@ -1,7 +1,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from _blocks import block_batch
+from _blocks import block_batch, with_draft_vocab
 
 from draftheads.errors import DraftheadsError
 from draftheads.targets import hidden_states
@@ -9,11 +9,15 @@ from draftheads.training.dflash import position_weight, sample_anchors
 from draftheads.training.dspark import DSparkModule, calibration_bins, expected_calibration_error
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["anchor", "fill-in"])
+@pytest.fixture(scope="module", params=[(True, None), (False, None), (True, 20)],
+                ids=["anchor", "fill-in", "anchor-draft-vocab"])
 def module(request, tiny_llama_dir):
     torch.manual_seed(0)
+    from_anchor, draft_vocab = request.param
     m = DSparkModule(target=str(tiny_llama_dir), block_size=4, anchors_per_row=5, num_layers=1,
-                     target_layer_ids=[1, 3], markov_rank=8, sample_from_anchor=request.param, kl_weight=0.2)
+                     target_layer_ids=[1, 3], markov_rank=8, sample_from_anchor=from_anchor, kl_weight=0.2)
+    if draft_vocab:
+        with_draft_vocab(m, draft_vocab, block_batch())
     m.configure_model()
     for p in m.head.parameters():
         torch.nn.init.normal_(p, std=0.1)
@@ -30,6 +34,10 @@ def test_loss_equals_a_block_by_block_reference(module):
     gen = torch.Generator().manual_seed(module.hparams.seed * 1_000_003 + module.global_step)
     anchors = sample_anchors(batch["loss_mask"], batch["doc_ids"], module.hparams.anchors_per_row, gen)
     w = module.lm_head_weight
+    ws, wt, label = w, w, lambda x: int(x)
+    if cfg.draft_vocab_size:  # the head's own lm_head, the teacher over its tokens, CE only on them
+        vocab = (torch.arange(cfg.draft_vocab_size) + head.d2t).tolist()
+        ws, wt, label = head.lm_head.weight, w[vocab], lambda x: vocab.index(int(x)) if int(x) in vocab else None
     per_j = {}
     for r in range(2):
         ids, docs, pos = (batch[k][r: r + 1] for k in ("input_ids", "doc_ids", "position_ids"))
@@ -48,12 +56,13 @@ def test_loss_equals_a_block_by_block_reference(module):
                 if tgt >= ids.shape[1] or docs[0, tgt] != docs[0, a] or not batch["loss_mask"][r, tgt]:
                     continue
                 prev = ids[0, tgt - 1]
-                logits = out[0, k] @ w.T + head.markov_head.markov_w2(head.markov_head.markov_w1(prev))
+                logits = out[0, k] @ ws.T + head.markov_head.markov_w2(head.markov_head.markov_w1(prev))
                 log_q = torch.log_softmax(logits, -1)
-                log_p = torch.log_softmax(hs[n][0, tgt - 1 - start] @ w.T, -1)
+                log_p = torch.log_softmax(hs[n][0, tgt - 1 - start] @ wt.T, -1)
                 tv = 0.5 * (log_q.exp() - log_p.exp()).abs().sum()
                 kl = (log_p.exp() * (log_p - log_q)).sum()
-                draft = 0.1 * -log_q[ids[0, tgt]] + 0.9 * tv + 0.2 * kl
+                c = label(ids[0, tgt])
+                draft = (0.0 if c is None else 0.1 * -log_q[c]) + 0.9 * tv + 0.2 * kl
                 conf = head.confidence_logit(out[0, k], prev)
                 bce = F.binary_cross_entropy_with_logits(conf, (1 - tv).detach())
                 per_j.setdefault(j, []).append((draft, bce))
