@@ -165,13 +165,8 @@ class DFlashModule(DraftHeadModule):
         with torch.no_grad():  # start the mask where the token it stands for sits
             head.mask_embedding.copy_(self.target.get_input_embeddings().weight[mask_id].float())
         if hp.draft_vocab_size is not None:
-            self.install_draft_vocab(head, self.build_draft_vocab(datamodule, hp.draft_vocab_size, 1.0))
+            self.install_draft_vocab(head, self.build_draft_vocab(datamodule, hp.draft_vocab_size))
         return head
-
-    def head_labels(self, ids: torch.Tensor) -> torch.Tensor:
-        """Target token ids as the head's class labels (IGNORE_INDEX where its draft vocabulary lacks one)."""
-        labels = self.in_head_vocab(ids)
-        return torch.where(labels >= 0, labels, torch.full_like(labels, IGNORE_INDEX))
 
     def extra_config(self) -> dict:
         """Config fields of a subclass's head beyond DFlash's."""
@@ -246,7 +241,8 @@ class DFlashModule(DraftHeadModule):
         w_student = self.head.projection(self.lm_head_weight).to(b.out.dtype)
         w_teacher = self.teacher_weight(b.last.dtype)
         chunk = hp.loss_chunk_size
-        dpace = self._dpace_weights(b, ids, w_student) if hp.position_weighting == "dpace" else None
+        labels = self.in_head_vocab(ids, IGNORE_INDEX)  # the head's classes of the row's tokens
+        dpace = self._dpace_weights(b, labels, w_student) if hp.position_weighting == "dpace" else None
         total = b.out.new_zeros((), dtype=torch.float32)
         logs, accs = {}, []
         for j, k in b.draft_slots(cfg):
@@ -260,7 +256,7 @@ class DFlashModule(DraftHeadModule):
             if hp.loss == "kl":
                 lk = linear_kl(hs, w_student, b.last[rows, pred - 1], w_teacher, impl=hp.loss_impl, chunk_size=chunk)
             else:
-                lk = linear_cross_entropy(hs, w_student, self.head_labels(ids[rows, pred]), impl=hp.loss_impl,
+                lk = linear_cross_entropy(hs, w_student, labels[rows, pred], impl=hp.loss_impl,
                                           chunk_size=chunk, row_weights=None if dpace is None else dpace[:, :, k][m])
             total = total + (position_weight(j, cfg.block_size) if dpace is None else 1.0) * lk
             logs[f"loss_{j}"] = lk.detach()
@@ -269,16 +265,17 @@ class DFlashModule(DraftHeadModule):
         return total, logs, accs
 
     @torch.no_grad()
-    def _dpace_weights(self, b: Blocks, ids: torch.Tensor, w_student: torch.Tensor) -> torch.Tensor:
-        """[B, N, blk] D-PACE weights from the draft's confidence in each predicted token (no gradient)."""
+    def _dpace_weights(self, b: Blocks, labels: torch.Tensor, w_student: torch.Tensor) -> torch.Tensor:
+        """[B, N, blk] D-PACE weights from the draft's confidence in each predicted token, ``labels`` [B, T] the
+        head's classes of the row's tokens (no gradient)."""
         conf = torch.zeros(b.valid.shape, dtype=torch.float32, device=b.out.device)
         for _, k in Blocks.draft_slots(self.head.config):
             m = b.valid[:, :, k]
             if m.any():
                 hs, rows, pred = b.rows(k)
-                labels = self.head_labels(ids[rows, pred])
-                known = labels != IGNORE_INDEX  # a token outside the draft vocabulary: confidence 0
-                nll = linear_token_nll(hs.detach(), w_student.detach(), labels.clamp(min=0),
+                want = labels[rows, pred]
+                known = want != IGNORE_INDEX  # a token outside the draft vocabulary: confidence 0
+                nll = linear_token_nll(hs.detach(), w_student.detach(), want.clamp(min=0),
                                        self.hparams.loss_chunk_size)
                 conf[:, :, k][m] = torch.where(known, torch.exp(-nll), torch.zeros_like(nll))
         return dpace_weights(conf, b.valid, self.hparams.dpace_alpha)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from draftheads.errors import DraftheadsError
 from draftheads.heads.dspark import DSparkHead
 from draftheads.training.dflash import DFlashModule, position_weight
-from draftheads.training.losses import linear_block_distill
+from draftheads.training.losses import IGNORE_INDEX, linear_block_distill
 
 CONFIDENCE_LABELS = ("soft", "greedy")
 ECE_BINS = 10
@@ -104,6 +104,7 @@ class DSparkModule(DFlashModule):
         w_student = self.head.projection(self.lm_head_weight).to(b.out.dtype)
         w_markov = self.head.markov_head.markov_w2.weight if cfg.markov_rank else None
         w_teacher = self.teacher_weight(b.last.dtype)
+        labels = self.in_head_vocab(ids, IGNORE_INDEX)  # the head's classes of the row's tokens
         total = b.out.new_zeros((), dtype=torch.float32)
         logs, accs = {}, []
         for j, k in b.draft_slots(cfg):
@@ -115,7 +116,7 @@ class DSparkModule(DFlashModule):
             prev = ids[rows, pred - 1]  # the token before the predicted one (the anchor at j = 1)
             e = self.head.markov_embed(prev)  # the Markov bias e @ w2^T rides in the fused projection
             lk, accept, top = linear_block_distill(hs, w_student, b.last[rows, pred - 1], w_teacher,
-                                                   self.head_labels(ids[rows, pred]),
+                                                   labels[rows, pred],
                                                    hp.ce_weight, hp.tv_weight, hp.kl_weight, hp.loss_chunk_size,
                                                    bias_in=None if e is None else e.to(hs.dtype), bias_w=w_markov,
                                                    impl=hp.loss_impl)

@@ -65,7 +65,7 @@ class EagleModule(DraftHeadModule):
         head = EagleHead(EagleConfig(layer=LayerSpec.from_hf_config(self.target.config), vocab_size=info.vocab_size,
                                      draft_vocab_size=hp.draft_vocab_size or None))
         if hp.draft_vocab_size:
-            self.install_draft_vocab(head, self.build_draft_vocab(datamodule, hp.draft_vocab_size, 0.95))
+            self.install_draft_vocab(head, self.build_draft_vocab(datamodule, hp.draft_vocab_size))
         return head
 
     def compute_loss(self, batch):

@@ -195,7 +195,7 @@ class DraftHeadModule(L.LightningModule):
 
     # ------------------------------------------------------------------ draft vocabulary
 
-    def build_draft_vocab(self, datamodule, size: int | None, coverage: float,
+    def build_draft_vocab(self, datamodule, size: int | None, coverage: float = 0.98,
                           max_size: int | None = None) -> DraftVocab:
         """The draft vocabulary, ranked by the training targets; sized (when ``size`` is None) to cover
         ``coverage`` of the validation targets, so it is judged on text it was not built from."""
@@ -224,12 +224,12 @@ class DraftHeadModule(L.LightningModule):
             return torch.arange(self.head.d2t.numel(), device=self.head.d2t.device) + self.head.d2t
         return None
 
-    def in_head_vocab(self, ids: torch.Tensor) -> torch.Tensor:
-        """Target token ids as indices of the head's vocabulary (-1 where the draft vocabulary lacks one)."""
+    def in_head_vocab(self, ids: torch.Tensor, missing: int = -1) -> torch.Tensor:
+        """Target token ids as indices of the head's vocabulary (``missing`` where the draft vocabulary lacks one)."""
         draft = self.draft_ids()
         if draft is None:
             return ids
-        lookup = torch.full((self.info.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        lookup = torch.full((self.info.vocab_size,), missing, dtype=torch.long, device=ids.device)
         lookup[draft.to(ids.device)] = torch.arange(draft.numel(), device=ids.device)
         return lookup[ids]
 
