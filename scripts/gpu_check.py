@@ -3,11 +3,12 @@ random-weight Llama-3-8B-shaped target with synthetic acceptance (512-token prom
 T = 0.7, Liger's fused losses against the chunked CPU path, 20-step `train-head fit` smokes (EAGLE-3 with DDP
 and FSDP, DFlash, DSpark) on a random target with Llama-3-8B's layer shapes (3 layers), and greedy identity
 of an oracle and the EAGLE-3, DFlash and DSpark proposers (chains and trees, random heads) on the device in
-float32. `--cpu`: a dry run of every
+float32, and DFlash's FlexAttention block mask against the dense SDPA mask (loss, gradients, step time, peak
+memory). `--skip attention,engine` leaves out those timing steps. `--cpu`: a dry run of every
 step on tiny shapes (interpreter-mode kernels, tiny target), without CUDA timings; exits 1 when a
 check fails.
 
-    bash scripts/gpu_check.sh [--cpu]      # writes under $OUT (default runs/gpu-check)
+    bash scripts/gpu_check.sh [--cpu] [--skip attention,engine]     # writes under $OUT (default runs/gpu-check)
 """
 
 import argparse
@@ -21,7 +22,12 @@ from pathlib import Path
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--cpu", action="store_true", help="dry run on CPU with tiny shapes")
+STEPS = ("kernels", "attention", "engine", "eagle3", "greedy", "flex")
+ap.add_argument("--skip", default="", help=f"comma-separated steps to leave out: {', '.join(STEPS)}")
 args = ap.parse_args()
+skip = {s for s in args.skip.split(",") if s}
+if skip - set(STEPS):
+    ap.error(f"--skip {args.skip}: only {', '.join(STEPS)} can be left out")
 out = Path(os.environ.get("OUT") or "runs/gpu-check")
 out.mkdir(parents=True, exist_ok=True)
 log = open(out / "log.txt", "w")
@@ -46,7 +52,7 @@ if not have["triton"] or not have["transformers"]:
     say("triton and transformers are required; install the project first")
     sys.exit(2)
 device = "cpu" if args.cpu else "cuda"
-results = {"command": "bash scripts/gpu_check.sh" + (" --cpu" if args.cpu else ""), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(0) if cuda and not args.cpu
+results = {"command": " ".join(["bash scripts/gpu_check.sh", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(0) if cuda and not args.cpu
            else "cpu (dry run)", "packages": have}
 
 # 1. kernel parity tests (compiled on CUDA, interpreter on CPU)
@@ -56,7 +62,8 @@ t0 = time.time()
 # compiling the kernels' variants is CPU work: on a device machine, in parallel processes (pytest-xdist)
 workers = ["-n", "8"] if not args.cpu and importlib.util.find_spec("xdist") else []
 r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "--tb=line", "tests/kernels", "-p", "no:cacheprovider",
-                    *workers, *(["-m", "not slow"] if args.cpu else [])], env=env, capture_output=True, text=True)
+                    *workers, *(["-m", "not slow"] if args.cpu else [])], env=env, capture_output=True, text=True) \
+    if "kernels" not in skip else subprocess.CompletedProcess([], 0, "skipped", "")
 lines = r.stdout.strip().splitlines()
 failed_lines = [ln for ln in lines if ln.startswith("FAILED") or ln.startswith("E ") or ".py:" in ln][:20]
 results["kernel_tests"] = {"returncode": r.returncode, "tail": lines[-1:], "failed": failed_lines,
@@ -68,7 +75,9 @@ for ln in failed_lines:
 # 2. paged tree attention timings
 from draftheads.bench.kernels import bench_attention, bench_engine  # noqa: E402
 
-if args.cpu:
+if "attention" in skip:
+    att = {"skipped": True, "copy_gbps": float("nan"), "rows": []}
+elif args.cpu:
     att = bench_attention("cpu", batches=(1, 2), trees=(4,), contexts=(32,), heads=4, kv_heads=2, dim=64,
                           dtype=torch.float32, repeats=1, progress=say)
 else:
@@ -90,7 +99,8 @@ with torch.device(device):
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32 if args.cpu else torch.bfloat16).eval()
 if args.cpu:  # interpreter-mode kernels would make the engine crawl; the torch path is what CPU runs
     os.environ["TRITON_INTERPRET"] = "1"
-results["engine"] = bench_engine(model, batches=batches, new_tokens=new, prompt_len=32 if args.cpu else 512, progress=say)
+results["engine"] = {} if "engine" in skip else bench_engine(model, batches=batches, new_tokens=new,
+                                                             prompt_len=32 if args.cpu else 512, progress=say)
 
 (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
 say("")
@@ -173,8 +183,10 @@ results["train"] = {}
 # (run name, module, its own init args, strategy): EAGLE-3 with both strategies, then the block drafters
 FITS = [("ddp", "Eagle3Module", {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3]}, "ddp"),
         ("fsdp", "Eagle3Module", {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3]}, "fsdp"),
-        ("dflash", "DFlashModule", {"target_layer_ids": [1, 2, 3], "block_size": 8, "anchors_per_row": 8}, "ddp"),
-        ("dspark", "DSparkModule", {"target_layer_ids": [1, 2, 3], "block_size": 7, "anchors_per_row": 8,
+        ("dflash", "DFlashModule", {"target_layer_ids": [1, 2], "block_size": 8, "anchors_per_row": 8}, "ddp"),
+        ("dflash-flex", "DFlashModule", {"target_layer_ids": [1, 2], "block_size": 8, "anchors_per_row": 8,
+                                         "attention": "flex"}, "ddp"),
+        ("dspark", "DSparkModule", {"target_layer_ids": [1, 2], "block_size": 7, "anchors_per_row": 8,
                                     "markov_rank": 16, "confidence_head": True}, "ddp")]
 missing = [m for m in ("datasets", "jsonargparse") if not have[m]]  # train-head's own needs
 for name, module, init_args, strategy in FITS:
@@ -183,8 +195,12 @@ for name, module, init_args, strategy in FITS:
                                   "skipped": f"train-head needs {', '.join(missing)}: install the project's dependencies"}
         say(f"train-head fit, {module}: not run, {results['train'][name]['skipped']}")
         continue
-    if args.cpu and strategy == "fsdp":
-        results["train"][name] = {"skipped": "Lightning's FSDP refuses accelerator=cpu"}
+    if module == "Eagle3Module" and "eagle3" in skip:
+        results["train"][name] = {"skipped": "--skip eagle3"}
+        continue
+    if args.cpu and (strategy == "fsdp" or init_args.get("attention") == "flex"):
+        results["train"][name] = {"skipped": "Lightning's FSDP refuses accelerator=cpu" if strategy == "fsdp"
+                                  else "FlexAttention has no backward on CPU"}
         continue
     cfg_file = work / f"{name}.yaml"
     cfg_file.write_text(yaml.safe_dump({
@@ -204,7 +220,8 @@ for name, module, init_args, strategy in FITS:
     head_written = (work / name / "head" / "model.safetensors").is_file()
     results["train"][name] = {"module": module, "strategy": strategy, "returncode": r.returncode,
                               "seconds": time.time() - t0, "head": head_written,
-                              "tail": (r.stderr or r.stdout).strip().splitlines()[-2:]}
+                              "tail": (r.stderr or r.stdout).strip().splitlines()[-2:],
+                              "errors": [ln for ln in (r.stderr or "").splitlines() if "Error" in ln or "error:" in ln][-6:]}
     say(f"train-head fit, {module} {strategy}, 20 steps: exit {r.returncode}, head written {head_written}, "
         f"{time.time() - t0:.0f} s")
 (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
@@ -246,7 +263,7 @@ def greedy(ids):
 
 want = [greedy(r) for r in rows]
 results["greedy"] = {}
-for name, (make, shape) in PROPOSERS.items():
+for name, (make, shape) in ({} if "greedy" in skip else PROPOSERS).items():
     outs = Engine(small, proposer=make(), tree=shape).generate(rows, SamplingParams(max_new_tokens=new_ids,
                                                                                     stop_at_eos=False))
     diverged = [{"row": i, **classify_divergence(small, r, w, o.token_ids)}
@@ -255,6 +272,68 @@ for name, (make, shape) in PROPOSERS.items():
                                "tau": sum(o.metrics.tau for o in outs) / len(outs)}
     say(f"greedy identity {name}: {len(rows) - len(diverged)}/{len(rows)} rows identical"
         + (f", first differences at logit margins {[round(d['margin'], 6) for d in diverged]}" if diverged else ""))
+
+# 8. DFlash's blocks masked by a compiled FlexAttention block mask against the dense SDPA mask, on the same
+# batch: loss and head gradients in float32, then a bf16-autocast training step's time and peak memory
+from draftheads.training import DFlashModule  # noqa: E402
+
+
+def _block_batch(rows, t, vocab, gen):
+    """Packed rows of two documents each, the loss on the second half of each document."""
+    half = t // 2
+    pos = torch.arange(half).repeat(rows, 2)
+    docs = (torch.arange(t) >= half).long().repeat(rows, 1)
+    loss_mask = (pos >= half // 2).long()
+    return {"input_ids": torch.randint(vocab, (rows, t), generator=gen), "position_ids": pos, "doc_ids": docs,
+            "loss_mask": loss_mask}
+
+
+def _flex_vs_sdpa():
+    rows, t, anchors, blk = (2, 64, 8, 4) if args.cpu else (4, 2048, 128, 8)
+    torch.manual_seed(0)
+    m = DFlashModule(target=str(target_dir), target_dtype="float32" if args.cpu else "bfloat16", block_size=blk,
+                     anchors_per_row=anchors, num_layers=2, target_layer_ids=[1, 2], mask_token_id=1,
+                     loss_impl="chunked" if args.cpu else "liger")
+    m.configure_model()
+    m = m.to(device).train()
+    batch = {k: v.to(device) for k, v in _block_batch(rows, t, m.info.vocab_size, torch.Generator().manual_seed(1)).items()}
+    params = [p for p in m.head.parameters() if p.requires_grad]
+
+    def step(attention, autocast, grads=True):
+        m.hparams.attention = attention
+        m.head.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), torch.set_grad_enabled(grads):
+            loss = m.compute_loss(batch)[0]
+        if grads:
+            loss.backward()
+        return loss.detach().float(), [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                                       for p in params] if grads else []
+
+    grads = not args.cpu  # FlexAttention has no backward on CPU: the dry run compares losses only
+    (la, ga), (lb, gb) = step("sdpa", False, grads), step("flex", False, grads)
+    rel = lambda x, y: float((x - y).abs().max() / y.abs().max().clamp_min(1e-12))  # noqa: E731
+    r = {"shape": {"rows": rows, "tokens": t, "anchors_per_row": anchors, "block_size": blk},
+         "loss_rel": rel(lb, la), "grad_rel": max((rel(b, a) for a, b in zip(ga, gb)), default=0.0)}
+    if cuda and not args.cpu:
+        for name in ("sdpa", "flex"):
+            for _ in range(2):  # compiles the block mask's kernels at this shape
+                step(name, True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            for _ in range(5):
+                step(name, True)
+            torch.cuda.synchronize()
+            r[name] = {"step_ms": (time.perf_counter() - t0) / 5 * 1e3,
+                       "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return r
+
+
+results["flex"] = {"loss_rel": 0.0, "grad_rel": 0.0, "skipped": True} if "flex" in skip else _flex_vs_sdpa()
+fx = results["flex"]
+say("flex vs sdpa: skipped" if "skipped" in fx else f"flex vs sdpa, DFlash training step {fx['shape']}: loss rel {fx['loss_rel']:.1e}, grads rel {fx['grad_rel']:.1e}"
+    + (f"; sdpa {fx['sdpa']['step_ms']:.1f} ms {fx['sdpa']['peak_gib']:.2f} GiB, flex {fx['flex']['step_ms']:.1f} ms "
+       f"{fx['flex']['peak_gib']:.2f} GiB" if "flex" in fx else ""))
 
 (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
 say(f"| sampling T=0.7 | same seed same output: {results['sampling']['same_seed_same_output']}, "
@@ -266,11 +345,15 @@ for name, r in results["losses"].items():
 for name, r in results["train"].items():
     say(f"| train-head {name} 20 steps | " + (r["skipped"] if "skipped" in r else
                                               f"exit {r['returncode']}, head {r['head']}, {r['seconds']:.0f} s") + " |")
+say("| DFlash flex vs sdpa | skipped |" if "skipped" in fx else f"| DFlash flex vs sdpa | loss rel {fx['loss_rel']:.1e}, grads rel {fx['grad_rel']:.1e}"
+    + (f", step {fx['sdpa']['step_ms']:.0f} vs {fx['flex']['step_ms']:.0f} ms, peak {fx['sdpa']['peak_gib']:.1f} vs "
+       f"{fx['flex']['peak_gib']:.1f} GiB" if "flex" in fx else "") + " |")
 for name, r in results["greedy"].items():
     say(f"| greedy identity {name} | {r['identical']}/{r['rows']} rows, tau {r['tau']:.2f} |")
+flex_off = max(fx["loss_rel"], fx["grad_rel"]) > 1e-3
 loss_off = any(max(r["loss_rel"], r["grad_h_rel"], r["grad_w_rel"]) > 1e-2 for r in results["losses"].values()
                if isinstance(r, dict))
-failed = (results["kernel_tests"]["returncode"] != 0 or not results["sampling"]["same_seed_same_output"] or loss_off
+failed = (results["kernel_tests"]["returncode"] != 0 or flex_off or not results["sampling"]["same_seed_same_output"] or loss_off
           or any(r.get("returncode", 0) != 0 or r.get("head") is False for r in results["train"].values())
           # a difference counts unless the target itself tied the two tokens there (float32 sums in another order)
           or any(not d["near_tie"] for r in results["greedy"].values() for d in r["diverged"]))

@@ -103,7 +103,7 @@ class DFlashModule(DraftHeadModule):
         loss: str = "kl",
         position_weighting: str = "decay",
         dpace_alpha: float = 0.5,
-        attention: str = "auto",
+        attention: str = "sdpa",
         draft_vocab_size: int | None = None,
         seed: int = 0,
         **kwargs,
@@ -124,9 +124,10 @@ class DFlashModule(DraftHeadModule):
             position_weighting: ``decay`` (draft j weighs exp(-(j - 1) / block_size)) or ``dpace`` (weights
                 from the draft's own confidence, :func:`dpace_weights`; needs ``loss: ce``).
             dpace_alpha: D-PACE's confidence smoothing, in (0, 1].
-            attention: how blocks are masked: ``sdpa`` (a dense mask), ``flex`` (a FlexAttention block mask,
-                compiled; it trains on CUDA only, as FlexAttention has no CPU backward) or ``auto`` (flex on
-                CUDA, sdpa elsewhere).
+            attention: how blocks are masked: ``sdpa`` (a dense mask) or ``flex`` (a FlexAttention block mask,
+                compiled; CUDA only, as FlexAttention has no CPU backward). On an H200 at 4 rows of 2,048
+                tokens, 128 anchors, block 8, both gave the same loss and gradients at the same step time and
+                memory (``scripts/gpu_check.sh``, docs/gpu.md).
             draft_vocab_size: an own lm_head over this many most frequent training targets (``d2t``),
                 started at the target's rows and trained, the teacher restricted to them (as EAGLE-3's);
                 None: the target's frozen lm_head over the full vocabulary.
@@ -148,8 +149,8 @@ class DFlashModule(DraftHeadModule):
             raise DraftheadsError(f"model.dpace_alpha={dpace_alpha} must be in (0, 1]")
         if draft_vocab_size is not None and draft_vocab_size < 1:
             raise DraftheadsError(f"model.draft_vocab_size={draft_vocab_size} must be >= 1, or null for the full vocabulary")
-        if attention not in (*BLOCK_MASKS, "auto"):
-            raise DraftheadsError(f"model.attention={attention!r}: use auto or one of {list(BLOCK_MASKS)}")
+        if attention not in BLOCK_MASKS:
+            raise DraftheadsError(f"model.attention={attention!r}: use one of {list(BLOCK_MASKS)}")
 
     def build_head(self, info, datamodule):
         hp = self.hparams
@@ -196,11 +197,9 @@ class DFlashModule(DraftHeadModule):
     def block_mask(self, device: torch.device):
         """The mask builder of ``model.attention`` on ``device``."""
         name = self.hparams.attention
-        if name == "auto":
-            name = "flex" if device.type == "cuda" else "sdpa"
         if name == "flex" and device.type != "cuda" and torch.is_grad_enabled():
             raise DraftheadsError("model.attention=flex trains on CUDA only (FlexAttention has no backward on "
-                                  f"{device.type}): use auto or sdpa")
+                                  f"{device.type}): use sdpa")
         return BLOCK_MASKS[name]
 
     def block_forward(self, batch) -> Blocks:

@@ -1,5 +1,6 @@
 """FSDP for draft-head training: every decoder layer (the frozen target's and the draft's) is its own
-wrap unit, so frozen and trainable parameters never share a flat parameter.
+wrap unit, and so are the frozen target and the head as wholes, so frozen and trainable parameters, and
+the target's bf16 and the head's float32, never share a flat parameter.
 
 Three things Lightning's FSDP does not do for a frozen target plus a head, handled here:
 
@@ -13,23 +14,39 @@ Three things Lightning's FSDP does not do for a frozen target plus a head, handl
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
 
-def decoder_layer_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-    """torch FSDP auto-wrap policy: wrap any ``*DecoderLayer`` module (Llama, Qwen, Mistral, draft)."""
-    return True if recurse else type(module).__name__.endswith("DecoderLayer")
+def decoder_layer_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, units: frozenset = frozenset()) -> bool:
+    """torch FSDP auto-wrap policy: wrap any ``*DecoderLayer`` module (Llama, Qwen, Mistral, draft), and
+    the modules whose ids are in ``units``."""
+    return True if recurse else id(module) in units or type(module).__name__.endswith("DecoderLayer")
+
+
+def draft_head_policy(model: nn.Module):
+    """:func:`decoder_layer_policy` with ``model.target`` and ``model.head`` (a :class:`DraftHeadModule`'s)
+    as units of their own: what the layers leave over (embeddings, lm_heads, ``fc``, norms) then sits in
+    the target's unit or the head's, never in one flat parameter of two dtypes."""
+    parts = (getattr(model, "target", None), getattr(model, "head", None))
+    return functools.partial(decoder_layer_policy, units=frozenset(id(m) for m in parts if isinstance(m, nn.Module)))
 
 
 class DecoderLayerFSDP(FSDPStrategy):
-    """``FSDPStrategy`` with :func:`decoder_layer_policy` and ``use_orig_params=True``."""
+    """``FSDPStrategy`` with :func:`draft_head_policy` and ``use_orig_params=True``."""
 
     def __init__(self, sharding_strategy: str = "FULL_SHARD", **kwargs):
         kwargs.setdefault("auto_wrap_policy", decoder_layer_policy)
         kwargs.setdefault("use_orig_params", True)
         super().__init__(sharding_strategy=sharding_strategy, **kwargs)
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        if self.kwargs.get("auto_wrap_policy") is decoder_layer_policy:  # the target and head exist by now
+            self.kwargs["auto_wrap_policy"] = draft_head_policy(model)
+        return super()._setup_model(model)
 
     @property
     def mixed_precision_config(self):

@@ -50,5 +50,45 @@ def main(rank: int, world: int, port: str, out: str) -> None:
     os._exit(0)
 
 
+class Toy(nn.Module):
+    """A frozen bf16 target and a float32 head, each with a decoder layer and a loose linear beside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.target = nn.Sequential(ToyDecoderLayer(6, 6), nn.Linear(6, 6)).to(torch.bfloat16).requires_grad_(False)
+        self.head = nn.Sequential(ToyDecoderLayer(6, 5), nn.Linear(5, 3))
+
+    def forward(self, x):
+        return self.head(self.target(x.bfloat16()).float())
+
+
+def mixed(port: str, out: str) -> None:
+    """One process: the toy wrapped with the layer policy alone, then with the draft-head policy."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from draftheads.training.fsdp import decoder_layer_policy, draft_head_policy
+
+    seen = {}
+    for name in ("layers", "draft_head"):
+        torch.manual_seed(0)
+        toy = Toy()
+        policy = decoder_layer_policy if name == "layers" else draft_head_policy(toy)
+        try:
+            wrapped = FSDP(toy, device_id=torch.device("cpu"), auto_wrap_policy=policy, use_orig_params=True)
+            wrapped(torch.randn(4, 6)).square().sum().backward()
+            seen[name] = {"grads": sum(p.grad is not None for p in wrapped.parameters())}
+        except ValueError as e:
+            seen[name] = {"error": str(e)}
+    with open(f"{out}/mixed.json", "w") as f:
+        json.dump(seen, f)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    if sys.argv[1] == "mixed":
+        mixed(sys.argv[2], sys.argv[3])
+    else:
+        main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

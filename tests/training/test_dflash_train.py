@@ -81,15 +81,15 @@ def test_flex_attention_gives_the_dense_masks_loss_and_trains_on_cuda_only(modul
         try:
             got, _, _ = module.compute_loss(batch)
         finally:
-            module.hparams.attention = "auto"
+            module.hparams.attention = "sdpa"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     module.hparams.attention = "flex"
     try:
         with pytest.raises(DraftheadsError, match="model.attention=flex trains on CUDA only"):
             module.compute_loss(batch)  # with gradients, on CPU
     finally:
-        module.hparams.attention = "auto"
-    with pytest.raises(DraftheadsError, match="model.attention='dense': use auto or one of"):
+        module.hparams.attention = "sdpa"
+    with pytest.raises(DraftheadsError, match="model.attention='dense': use one of"):
         DFlashModule(target="x", attention="dense")
 
 

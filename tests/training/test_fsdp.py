@@ -32,9 +32,7 @@ def test_two_processes_gather_the_full_weights_and_clip_by_the_global_norm(tmp_p
     sys.path.insert(0, str(HERE))
     from _fsdp_worker import model
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = _free_port()
     procs = [subprocess.Popen([sys.executable, str(HERE / "_fsdp_worker.py"), str(r), "2", port, str(tmp_path)])
              for r in range(2)]
     assert all(p.wait(timeout=300) == 0 for p in procs)
@@ -54,6 +52,36 @@ def test_two_processes_gather_the_full_weights_and_clip_by_the_global_norm(tmp_p
     (sum(losses) / 2).backward()
     norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01).item()
     assert ranks[0]["norm"] == pytest.approx(norm, rel=1e-5) and ranks[1]["norm"] == pytest.approx(norm, rel=1e-5)
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def test_a_bf16_target_and_a_float32_head_are_wrapped_apart(tmp_path):
+    """What the layers leave over (embeddings, lm_head, fc) of a bf16 target and a float32 head: in one
+    flat parameter FSDP refuses them; the draft-head policy puts them in the target's and the head's units."""
+    proc = subprocess.run([sys.executable, str(HERE / "_fsdp_worker.py"), "mixed", _free_port(), str(tmp_path)],
+                          timeout=300)
+    assert proc.returncode == 0
+    seen = json.loads((tmp_path / "mixed.json").read_text())
+    assert "uniform dtype" in seen["layers"]["error"]
+    assert seen["draft_head"] == {"grads": 4}  # the head's two weights and two biases; the target is frozen
+
+
+def test_the_strategy_wraps_the_modules_target_and_head(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    strategy = DecoderLayerFSDP()
+    got = {}
+    monkeypatch.setattr(FSDPStrategy, "_setup_model", lambda self, model: got.update(self.kwargs) or model)
+    model = NS(target=torch.nn.Linear(2, 2), head=torch.nn.Linear(2, 2))
+    strategy._setup_model(model)
+    policy = got["auto_wrap_policy"]
+    assert policy(model.target, False, 0) and policy(model.head, False, 0)
+    assert not policy(torch.nn.Linear(2, 2), False, 0)
 
 
 class _Recorder:
