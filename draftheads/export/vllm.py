@@ -12,7 +12,8 @@ Formats:
 * ``vllm-dflash``: the HF layout of vLLM's ``DFlashDraftModel`` (Qwen3 decoder fields plus
   ``dflash_config`` with ``mask_token_id`` and ``target_layer_ids`` counted from 0 = HF id - 1);
   ``fc``, ``hidden_norm``, ``layers.{i}.*`` (with ``q_norm``/``k_norm``), ``norm``, optional ``lm_head``
-  + ``d2t``; embeddings and a full-vocabulary lm_head are shared with the target; the learned mask
+  + ``d2t`` (a draft vocabulary; without them the target's full-vocabulary lm_head is shared); the
+  embeddings are shared with the target; the learned mask
   embedding goes to ``mask_embedding.pt``, which vLLM puts in place of the mask token's row.
 * ``vllm-dspark``: vLLM's ``Qwen3DSparkModel``: the DFlash layout plus ``markov_head.markov_w1`` [V, r]
   (indexed by the previous target id), ``markov_head.markov_w2`` [V', r], optional
