@@ -273,7 +273,23 @@ BLOCK_MASKS = {"sdpa": block_attention_mask, "flex": block_flex_mask}
 @functools.cache
 def _flex_attention(device: torch.device):
     """FlexAttention compiled where it runs fused (CUDA); eager elsewhere (CPU forward only, for parity tests)."""
-    return torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else _eager_flex_attention
+    return compiled_flex_attention() if device.type == "cuda" else _eager_flex_attention
+
+
+def compiled_flex_attention(backend: str = "inductor"):
+    """``flex_attention`` under ``torch.compile``, traced with TorchDynamo's DDPOptimizer off.
+
+    Training under DDP runs this inside the wrapped module's forward, where Dynamo hands each graph to its
+    DDPOptimizer to split by gradient bucket; older torch releases refuse a higher-order op there
+    ("DDPOptimizer backend: Found a higher order op in the graph"), and FlexAttention is one. This graph
+    holds no parameters, so there is nothing for DDPOptimizer to bucket."""
+    compiled = torch.compile(flex_attention, dynamic=False, backend=backend)
+
+    def run(*args, **kwargs):
+        with torch._dynamo.config.patch(optimize_ddp=False):
+            return compiled(*args, **kwargs)
+
+    return run
 
 
 def _eager_flex_attention(*args, **kwargs):

@@ -88,3 +88,35 @@ def test_bad_config_is_one_error(kw, message):
     base = dict(layer=SPEC, vocab_size=50, target_layer_ids=(1, 2), mask_token_id=49)
     with pytest.raises(DraftheadsError, match=message):
         DFlashConfig(**{**base, **kw})
+
+
+def test_compiled_flex_attention_is_traced_without_ddp_optimizer(monkeypatch):
+    """Inside a DDP forward, Dynamo would give the graph to DDPOptimizer, which older torch releases refuse
+    for higher-order ops such as FlexAttention; the compiled call turns it off."""
+    from types import SimpleNamespace
+
+    import torch._dynamo
+    from torch._dynamo.backends import distributed
+    from torch.nn.parallel import DistributedDataParallel
+
+    from draftheads.heads.dflash import compiled_flex_attention
+
+    def refuse(self, gm, example_inputs):
+        raise NotImplementedError("DDPOptimizer backend: Found a higher order op in the graph")
+
+    monkeypatch.setattr(distributed.DDPOptimizer, "compile_fn", refuse)
+    monkeypatch.setattr(DistributedDataParallel, "_active_ddp_module", SimpleNamespace(bucket_bytes_cap=1 << 20))
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (8, 16, 16))
+    mask = block_flex_mask(torch.tensor([[1, 5]]), torch.zeros(1, 8, dtype=torch.long), 4)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=block_attention_mask(torch.tensor([[1, 5]]), torch.zeros(1, 8, dtype=torch.long), 4))
+    with torch.no_grad():  # FlexAttention runs forward only on CPU
+        plain = torch.compile(torch.nn.attention.flex_attention.flex_attention, dynamic=False, backend="eager")
+        with pytest.raises(Exception, match="higher order op"):  # what DDP training met
+            plain(q, k, v, block_mask=mask)
+        torch._dynamo.reset()
+        got = compiled_flex_attention(backend="eager")(q, k, v, block_mask=mask)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
