@@ -4,11 +4,11 @@ T = 0.7, Liger's fused losses against the chunked CPU path, 20-step `train-head 
 and FSDP, DFlash, DSpark) on a random target with Llama-3-8B's layer shapes (3 layers), and greedy identity
 of an oracle and the EAGLE-3, DFlash and DSpark proposers (chains and trees, random heads) on the device in
 float32, and DFlash's FlexAttention block mask against the dense SDPA mask (loss, gradients, step time, peak
-memory). `--skip attention,engine` leaves out those timing steps. `--cpu`: a dry run of every
+memory). `--skip STEP,...` leaves steps out (kernels, attention, engine, eagle3, greedy, flex). `--cpu`: a dry run of every
 step on tiny shapes (interpreter-mode kernels, tiny target), without CUDA timings; exits 1 when a
 check fails.
 
-    bash scripts/gpu_check.sh [--cpu] [--skip attention,engine]     # writes under $OUT (default runs/gpu-check)
+    bash scripts/gpu_check.sh [--cpu] [--skip STEP,...]     # writes under $OUT (default runs/gpu-check)
 """
 
 import argparse
@@ -105,7 +105,7 @@ results["engine"] = {} if "engine" in skip else bench_engine(model, batches=batc
 (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
 say("")
 say(f"| check | result |\n|---|---|\n| kernel tests | {results['kernel_tests']['tail']} |")
-say(f"| copy bandwidth | {att['copy_gbps']:.0f} GB/s |")
+say("| copy bandwidth | skipped |" if att.get("skipped") else f"| copy bandwidth | {att['copy_gbps']:.0f} GB/s |")
 for row in att["rows"]:
     say(f"| attention b={row['batch']} tree={row['tree']} ctx={row['context']} | triton {row['triton_ms']:.3f} ms, "
         f"torch {row['torch_ms']:.3f} ms, {row['fraction_of_copy_bw']:.0%} of copy bw |")
@@ -135,6 +135,11 @@ if cuda:
 from draftheads.training.losses import linear_cross_entropy, linear_kl  # noqa: E402
 
 
+def rel(x, y):
+    """Largest difference of ``x`` from ``y``, relative to ``y``'s largest entry."""
+    return float((x - y).abs().max() / y.abs().max().clamp_min(1e-12))
+
+
 def _loss_case(name, fn, n, hidden, v):
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(n, hidden, generator=gen)
@@ -148,7 +153,6 @@ def _loss_case(name, fn, n, hidden, v):
         loss.backward()
         out[impl] = (loss.detach().cpu(), hh.grad.cpu(), ww.grad.cpu())
     (a, ga, wa), (b, gb, wb) = out["liger"], out["chunked"]
-    rel = lambda x, y: float((x - y).abs().max() / y.abs().max().clamp_min(1e-12))  # noqa: E731
     return {"liger": float(a), "chunked": float(b), "loss_rel": rel(a, b), "grad_h_rel": rel(ga, gb),
             "grad_w_rel": rel(wa, wb)}
 
@@ -261,7 +265,7 @@ def greedy(ids):
     return out[0, len(ids):].tolist()
 
 
-want = [greedy(r) for r in rows]
+want = [] if "greedy" in skip else [greedy(r) for r in rows]
 results["greedy"] = {}
 for name, (make, shape) in ({} if "greedy" in skip else PROPOSERS).items():
     outs = Engine(small, proposer=make(), tree=shape).generate(rows, SamplingParams(max_new_tokens=new_ids,
@@ -311,7 +315,6 @@ def _flex_vs_sdpa():
 
     grads = not args.cpu  # FlexAttention has no backward on CPU: the dry run compares losses only
     (la, ga), (lb, gb) = step("sdpa", False, grads), step("flex", False, grads)
-    rel = lambda x, y: float((x - y).abs().max() / y.abs().max().clamp_min(1e-12))  # noqa: E731
     r = {"shape": {"rows": rows, "tokens": t, "anchors_per_row": anchors, "block_size": blk},
          "loss_rel": rel(lb, la), "grad_rel": max((rel(b, a) for a, b in zip(ga, gb)), default=0.0)}
     if cuda and not args.cpu:
