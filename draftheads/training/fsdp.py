@@ -9,7 +9,8 @@ Three things Lightning's FSDP does not do for a frozen target plus a head, handl
 * norm clipping goes through the root FSDP module (:func:`clip_grad_norm`; Lightning's FSDP precision
   plugin refuses ``gradient_clip_val``);
 * the head's full weights are gathered by every rank together (:func:`full_state_dict`, a collective),
-  and only then written by rank 0.
+  and only then written by rank 0; the target's unit takes no part (the module's ``state_dict`` leaves
+  it out), so no rank ever holds a full copy of a large target.
 """
 
 from __future__ import annotations

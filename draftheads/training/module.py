@@ -38,6 +38,17 @@ def _mean_per_step(hits: list[list[float]]) -> list[float]:
     return means
 
 
+def state_dict_without(module: torch.nn.Module, child: str, state_dict, *args, **kwargs) -> dict:
+    """``state_dict(*args, **kwargs)`` (``module``'s own bound method) with the submodule ``child`` left
+    out: its ``state_dict`` and hooks never run, so under FSDP its parameters are never unsharded."""
+    modules = module._modules
+    module.__dict__["_modules"] = {k: v for k, v in modules.items() if k != child}
+    try:
+        return state_dict(*args, **kwargs)
+    finally:
+        module.__dict__["_modules"] = modules
+
+
 def warmup_cosine(step: int, total: int, warmup_ratio: float, floor: float) -> float:
     """Learning-rate factor: linear warmup over ``warmup_ratio`` of ``total`` steps, then cosine to ``floor``."""
     warm = int(round(warmup_ratio * total))
@@ -322,8 +333,11 @@ class DraftHeadModule(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints and export
 
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("target.")}
+    def state_dict(self, *args, **kwargs) -> dict:
+        """Everything but the frozen target, which reloads from its own weights: checkpoints hold what
+        training changes, and FSDP's full-state gather (checkpoints, :meth:`on_fit_end`) never copies a
+        target to rank 0."""
+        return state_dict_without(self, "target", super().state_dict, *args, **kwargs)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         from draftheads.training.fsdp import clip_grad_norm, is_fsdp

@@ -61,14 +61,25 @@ class Toy(nn.Module):
     def forward(self, x):
         return self.head(self.target(x.bfloat16()).float())
 
+    def state_dict(self, *args, **kwargs):
+        from draftheads.training.module import state_dict_without
+
+        return state_dict_without(self, "target", super().state_dict, *args, **kwargs)
+
 
 def mixed(port: str, out: str) -> None:
-    """One process: the toy wrapped with the layer policy alone, then with the draft-head policy."""
+    """One process: the toy wrapped with the layer policy alone, then with the draft-head policy, whose
+    full state dict is then gathered (recording whether the target's unit took part)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=0, world_size=1)
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from draftheads.training.fsdp import decoder_layer_policy, draft_head_policy
+    from draftheads.training.fsdp import (
+        DecoderLayerFSDP,
+        decoder_layer_policy,
+        draft_head_policy,
+        full_state_dict,
+    )
 
     seen = {}
     for name in ("layers", "draft_head"):
@@ -79,6 +90,12 @@ def mixed(port: str, out: str) -> None:
             wrapped = FSDP(toy, device_id=torch.device("cpu"), auto_wrap_policy=policy, use_orig_params=True)
             wrapped(torch.randn(4, 6)).square().sum().backward()
             seen[name] = {"grads": sum(p.grad is not None for p in wrapped.parameters())}
+            target_visits = []
+            toy.target.register_state_dict_pre_hook(lambda *a, visits=target_visits: visits.append(1))
+            strategy = DecoderLayerFSDP()
+            strategy._model = wrapped
+            state = full_state_dict(strategy)
+            seen[name].update(state={k: list(v.shape) for k, v in state.items()}, target_visits=len(target_visits))
         except ValueError as e:
             seen[name] = {"error": str(e)}
     with open(f"{out}/mixed.json", "w") as f:

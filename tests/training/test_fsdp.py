@@ -62,13 +62,17 @@ def _free_port() -> str:
 
 def test_a_bf16_target_and_a_float32_head_are_wrapped_apart(tmp_path):
     """What the layers leave over (embeddings, lm_head, fc) of a bf16 target and a float32 head: in one
-    flat parameter FSDP refuses them; the draft-head policy puts them in the target's and the head's units."""
+    flat parameter FSDP refuses them; the draft-head policy puts them in the target's and the head's units.
+    The full state dict then gathers the head's unit alone: the target's never unshards."""
     proc = subprocess.run([sys.executable, str(HERE / "_fsdp_worker.py"), "mixed", _free_port(), str(tmp_path)],
                           timeout=300)
     assert proc.returncode == 0
     seen = json.loads((tmp_path / "mixed.json").read_text())
     assert "uniform dtype" in seen["layers"]["error"]
-    assert seen["draft_head"] == {"grads": 4}  # the head's two weights and two biases; the target is frozen
+    assert seen["draft_head"]["grads"] == 4  # the head's two weights and two biases; the target is frozen
+    assert seen["draft_head"]["state"] == {"head.0.weight": [5, 6], "head.0.bias": [5], "head.1.weight": [3, 5],
+                                           "head.1.bias": [3]}
+    assert seen["draft_head"]["target_visits"] == 0
 
 
 def test_the_strategy_wraps_the_modules_target_and_head(monkeypatch):
