@@ -15,8 +15,7 @@ head over a draft vocabulary (``d2t``).
 Training places many blocks in one sequence (:func:`block_attention_mask`): block j, anchored at
 position a_j, sees the context of its own document strictly before a_j, and its own block. The same
 pattern as a FlexAttention block mask (:func:`block_flex_mask`) skips the context tiles a block never
-reads instead of materialising [Q, T + Q] per row; :class:`BlockwiseMask` scores each block against the
-context and its own block apart, with no [Q, Q] block-to-block part (``BLOCK_MASKS`` names all three).
+reads instead of materialising [Q, T + Q] per row (``BLOCK_MASKS`` names both).
 
 ``target_layer_ids`` are HF hidden-state ids (1 = output of the first decoder layer), the project's
 convention everywhere; vLLM's ``dflash_config.target_layer_ids`` count decoder-layer outputs from 0,
@@ -133,8 +132,7 @@ class BlockAttention(nn.Module):
 
     def forward(self, x, cos, sin, ctx_kv, mask):
         """x [B, Q, H] block tokens; ctx_kv (k, v) [B, kvh, T, D]; mask bool [B or 1, 1, Q, T + Q]
-        (True = attend), or the same as a FlexAttention ``BlockMask`` or a :class:`BlockwiseMask`.
-        Returns [B, Q, H]."""
+        (True = attend) or the same as a FlexAttention ``BlockMask``. Returns [B, Q, H]."""
         b, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.h, self.d)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
@@ -142,8 +140,6 @@ class BlockAttention(nn.Module):
         k, v = torch.cat([ctx_kv[0], k], 2), torch.cat([ctx_kv[1], v], 2)
         if isinstance(mask, BlockMask):
             out = _flex_attention(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
-        elif isinstance(mask, BlockwiseMask):
-            out = mask.attend(q, k, v)
         else:
             rep = self.h // self.kvh
             if rep > 1:
@@ -220,21 +216,6 @@ class DFlashHead(nn.Module):
         return ids + self.d2t[ids] if self.config.draft_vocab_size is not None else ids
 
 
-def context_visibility(anchors: torch.Tensor, doc_ids: torch.Tensor,
-                       sliding_window: int | None = None) -> torch.Tensor:
-    """[B, N, T] bool: which context positions the block anchored at ``anchors`` [B, N] (-1 = no block) sees
-    in a packed row with ``doc_ids`` [B, T]: those of the anchor's document before it (and within
-    ``sliding_window`` of it); nothing for a block with no anchor."""
-    t = doc_ids.shape[1]
-    a = anchors.clamp(min=0)
-    pos = torch.arange(t, device=anchors.device)
-    anchor_doc = doc_ids.gather(1, a)  # [B, N]
-    ctx = (doc_ids[:, None, :] == anchor_doc[:, :, None]) & (pos[None, None, :] < a[:, :, None])
-    if sliding_window is not None:
-        ctx &= pos[None, None, :] >= (a - sliding_window)[:, :, None]
-    return ctx & (anchors >= 0)[:, :, None]
-
-
 def block_attention_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, causal: bool = False,
                          sliding_window: int | None = None) -> torch.Tensor:
     """Boolean attention mask [B, 1, N * block_size, T + N * block_size] (True = attend) for the blocks
@@ -244,51 +225,22 @@ def block_attention_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_siz
     within ``sliding_window`` of a), and key k' of its own block when k' <= k or, non-causal, always.
     A block with no anchor sees nothing but itself (its loss is masked)."""
     b, n = anchors.shape
+    t = doc_ids.shape[1]
     q = n * block_size
-    ctx = context_visibility(anchors, doc_ids, sliding_window).repeat_interleave(block_size, dim=1)  # [B, Q, T]
+    valid = anchors >= 0
+    a = anchors.clamp(min=0)
+    pos = torch.arange(t, device=anchors.device)
+    anchor_doc = doc_ids.gather(1, a)  # [B, N]
+    ctx = (doc_ids[:, None, :] == anchor_doc[:, :, None]) & (pos[None, None, :] < a[:, :, None])
+    if sliding_window is not None:
+        ctx &= pos[None, None, :] >= (a - sliding_window)[:, :, None]
+    ctx &= valid[:, :, None]  # [B, N, T]
+    ctx = ctx.repeat_interleave(block_size, dim=1)  # [B, Q, T]
     block = torch.arange(q, device=anchors.device) // block_size
     within = block[:, None] == block[None, :]
     if causal:
         within &= torch.arange(q, device=anchors.device)[None, :] <= torch.arange(q, device=anchors.device)[:, None]
     return torch.cat([ctx, within.expand(b, q, q)], -1)[:, None]
-
-
-@dataclass
-class BlockwiseMask:
-    """The blocks' mask as its two parts: the context each block sees, and its own block. Attention then
-    scores each block's queries against the context keys and against its own block's keys only, with one
-    softmax over both: the N x N grid of block-to-block scores a dense mask computes and throws away
-    (all but the diagonal) is never formed. Plain matrix products, so it trains on any device."""
-
-    context: torch.Tensor
-    """[B, N, T] bool, :func:`context_visibility`."""
-    block_size: int
-    causal: bool = False
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [B, h, N * blk, D]; k, v [B, kvh, T + N * blk, D] (the context's, then the blocks') -> [B, h, N * blk, D],
-        what SDPA gives with :func:`block_attention_mask` (query head i reads key/value head i // (h / kvh))."""
-        b, h, q_len, d = q.shape
-        kvh, n, blk = k.shape[1], self.context.shape[1], self.block_size
-        rep, t = h // kvh, k.shape[2] - q_len
-        q = q.reshape(b, kvh, rep, n, blk, d) * d ** -0.5
-        own_k = k[:, :, t:].reshape(b, kvh, 1, n, blk, d)
-        own_v = v[:, :, t:].reshape(b, kvh, 1, n, blk, d)
-        ctx_scores = (q.reshape(b, kvh, rep * q_len, d) @ k[:, :, :t].transpose(-1, -2)).view(b, kvh, rep, n, blk, t)
-        scores = torch.cat([ctx_scores, q @ own_k.transpose(-1, -2)], -1).float()
-        sees = self.context[:, None, None, :, None, :].expand(b, 1, 1, n, blk, t)
-        own = torch.ones(blk, blk, dtype=torch.bool, device=q.device)
-        own = own.tril() if self.causal else own
-        sees = torch.cat([sees, own.expand(b, 1, 1, n, blk, blk)], -1)
-        p = scores.masked_fill(~sees, float("-inf")).softmax(-1).to(v.dtype)
-        out = (p[..., :t].reshape(b, kvh, rep * q_len, t) @ v[:, :, :t]).view(b, kvh, rep, n, blk, d)
-        return (out + p[..., t:] @ own_v).reshape(b, h, q_len, d)
-
-
-def block_blockwise_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, causal: bool = False,
-                         sliding_window: int | None = None) -> BlockwiseMask:
-    """:func:`block_attention_mask` as a :class:`BlockwiseMask` (the same attend pattern, without the [Q, Q] part)."""
-    return BlockwiseMask(context_visibility(anchors, doc_ids, sliding_window), block_size, causal)
 
 
 def block_flex_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, causal: bool = False,
@@ -314,9 +266,8 @@ def block_flex_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: in
     return create_block_mask(attend, b, None, n * block_size, t + n * block_size, device=anchors.device)
 
 
-BLOCK_MASKS = {"sdpa": block_attention_mask, "flex": block_flex_mask, "blockwise": block_blockwise_mask}
-"""How a training step masks its blocks: a dense boolean mask for SDPA, a FlexAttention block mask, or
-the context and own-block parts apart (:class:`BlockwiseMask`)."""
+BLOCK_MASKS = {"sdpa": block_attention_mask, "flex": block_flex_mask}
+"""How a training step masks its blocks: a dense boolean mask for SDPA, or a FlexAttention block mask."""
 
 
 @functools.cache

@@ -73,25 +73,6 @@ def test_loss_equals_a_block_by_block_reference(module):
     assert len(accs) == cfg.block_size - 1
 
 
-def test_blockwise_attention_gives_the_dense_masks_loss_and_gradients(module):
-    batch = block_batch()
-    seen = []
-    for name in ("sdpa", "blockwise"):
-        module.hparams.attention = name
-        module.head.zero_grad()
-        try:
-            loss, _, _ = module.compute_loss(batch)
-        finally:
-            module.hparams.attention = "sdpa"
-        loss.backward()
-        seen.append((loss.detach(), {n: p.grad.clone() for n, p in module.head.named_parameters() if p.grad is not None}))
-    (want, want_grads), (got, got_grads) = seen
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert got_grads.keys() == want_grads.keys() and want_grads
-    for n in want_grads:
-        torch.testing.assert_close(got_grads[n], want_grads[n], rtol=1e-4, atol=1e-6)
-
-
 def test_flex_attention_gives_the_dense_masks_loss_and_trains_on_cuda_only(module):
     batch = block_batch()
     with torch.no_grad():
