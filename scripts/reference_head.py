@@ -276,6 +276,12 @@ class DataStore:
             run.say(f"=== {stage}: {'finished' if finished else 'partly made'} output taken from the data store "
                     f"{shown(self.root)}")
 
+    def seeds(self, stage: str) -> Path | None:
+        """The store's finished output of ``stage`` that :meth:`seed` puts into a run holding nothing of it."""
+        if self.holds(self.root, stage) and self.holds(self.data, stage) is None:
+            return self.root / STORED[stage][0]
+        return None
+
     def _prompts(self) -> dict:
         from draftheads.prompts import load_prompts
 
@@ -338,6 +344,13 @@ def fit(run: Run, stage: str, config: Path) -> None:
 def synthesized(synth: Path) -> int:
     """Prompts a finished synthesize output holds."""
     return json.loads(synth.with_name(synth.name + ".stats.json").read_text())["total"]
+
+
+def grows(synth: Path, store: DataStore | None, wanted: int) -> bool:
+    """Whether the finished prompts this run starts from, its own or those the store seeds it with, are
+    fewer than ``wanted`` (synthesize and distill then extend them, and training starts over)."""
+    held = synth if synth.exists() else store.seeds("synthesize") if store else None
+    return held is not None and synthesized(held) < wanted
 
 
 def distilled_all(data: Path, synth: Path) -> bool:
@@ -434,9 +447,12 @@ def main() -> int:
                "export": export, "eval": evald / "results.json",
                "bench": bench / "results.json", "scaling": scaling / "scaling.json", "package": root / "packaged.json",
                "blocks": root / "blocks/results.json"}
-    grow = synth.exists() and synthesized(synth) < args.synth_prompts and "synthesize" not in redo
+    store = DataStore(ROOT / Path(args.data_store).expanduser(), root / "data") if args.data_store else None
+    grow = "synthesize" not in redo and grows(synth, store, args.synth_prompts)
     if grow:
-        redo.add("train")  # the data grows in place: the head and everything after it are made again
+        # the data grows in place: the head and everything after it are made again, and with a store the
+        # features too (its distill writes text only; without one, distill adds the new rows' features itself)
+        redo.add("features" if store else "train")
     for s in STAGES[min((STAGES.index(s) for s in redo), default=len(STAGES)):]:
         redo.add(s)  # a redone stage invalidates the ones after it
     if rounds and not head.exists():
@@ -457,7 +473,6 @@ def main() -> int:
                 shutil.rmtree(target)
             elif target.exists():
                 target.unlink()
-    store = DataStore(ROOT / Path(args.data_store).expanduser(), root / "data") if args.data_store else None
     if store:
         for s in redo & set(STORED):
             store.drop(s)  # a store seeding a later run with what this one makes again would undo the redo

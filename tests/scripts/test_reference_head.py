@@ -143,6 +143,32 @@ def test_a_data_store_keeps_the_text_as_it_grows_and_seeds_a_fresh_run(tmp_path)
     assert sorted(p.name for p in store.root.iterdir()) == ["stages.json"]
 
 
+def test_more_prompts_than_the_store_holds_grow_a_fresh_run(tmp_path):
+    """A fresh run directory (a fresh clone) seeded from a store of finished prompts grows them when asked for
+    more, as a run holding them itself does; a run with partial prompts of its own resumes them instead."""
+    mod = _script()
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "synth.jsonl").write_text('{"id": "syn-chat-000001"}\n{"id": "syn-code-000001"}\n')
+    (store / "synth.jsonl.stats.json").write_text('{"total": 2}')
+    fresh = tmp_path / "fresh/data"
+    seeded = mod.DataStore(store, fresh)
+    assert seeded.seeds("synthesize") == store / "synth.jsonl" and seeded.seeds("distill") is None
+    assert mod.grows(fresh / "synth.jsonl", seeded, 4) and not mod.grows(fresh / "synth.jsonl", seeded, 2)
+    assert not mod.grows(fresh / "synth.jsonl", None, 4)  # no store, no prompts: synthesize writes all 4
+    own = tmp_path / "own/data"
+    own.mkdir(parents=True)
+    (own / "synth.jsonl").write_text('{"id": "syn-chat-000001"}\n')
+    (own / "synth.jsonl.stats.json").write_text('{"total": 1}')
+    assert mod.grows(own / "synth.jsonl", mod.DataStore(store, own), 2)  # its own 1, not the store's 2
+    partial = tmp_path / "partial/data"
+    partial.mkdir(parents=True)
+    (partial / "synth.jsonl.partial").write_text("")
+    (partial / "synth.jsonl.partial.json").write_text("{}")
+    assert mod.DataStore(store, partial).seeds("synthesize") is None
+    assert not mod.grows(partial / "synth.jsonl", mod.DataStore(store, partial), 4)
+
+
 def test_a_head_trained_on_from_the_shipped_one_lists_every_run_and_waits_for_its_bench(tmp_path):
     """--init-head: the card's lineage is the init head's, then this run's epochs (first fit + rounds);
     the card written by package, before bench, says the bench is still to come."""
