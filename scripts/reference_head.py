@@ -64,6 +64,9 @@ NEEDS = {"distill": ("synthesize",), "features": ("distill",), "train": ("featur
 """The stages whose outputs each stage reads: with --only, they must be finished."""
 BLOCK_FAMILIES = ("dflash", "dspark")
 """Block drafters the ``blocks`` stage trains on the same feature cache and benches beside EAGLE-3."""
+BLOCK_MODES = ("chain3", "chain7", "small")
+"""Modes the ``blocks`` stage evaluates and benches each head in: vLLM's chain of 3, the block drafters'
+served K (block 8: 7 drafts), and the small tree."""
 SHIPPED = ROOT / "draftheads/data/heads/smollm2-135m-eagle3"
 
 
@@ -623,7 +626,7 @@ def _blocks(run: Run, root: Path, head: Path, args) -> None:
     """DFlash and DSpark trained on the same feature cache as the EAGLE-3 head (configs/smollm2-<family>-
     reference.yaml) for as many epochs as its run (:func:`run_epochs`), each evaluated like it at chain 3
     and chain 7 (the block drafters' served K) and with the small tree, then all three benched side by side
-    in one run (batch 1, and the sweep over 1, 4, 16)."""
+    in one run in those modes and ``auto`` (batch 1, and the sweep over 1, 4, 16)."""
     dh = str(BIN / "draftheads")
     heads = {"eagle3": head}
     for fam in BLOCK_FAMILIES:
@@ -636,9 +639,10 @@ def _blocks(run: Run, root: Path, head: Path, args) -> None:
         if not (ev / "results.json").exists():
             run.cmd(f"blocks eval {fam}", [
                 dh, "eval", "--head", str(h), "--prompts", "bundled:eval", "--limit-per-domain",
-                str(args.eval_per_domain), "--max-new-tokens", str(args.eval_tokens), "--tree", "chain3,chain7,small",
+                str(args.eval_per_domain), "--max-new-tokens", str(args.eval_tokens), "--tree", ",".join(BLOCK_MODES),
                 "--out", str(ev)])
     run.cmd("blocks bench", [dh, "bench", *[a for fam, h in heads.items() for a in (f"--{fam}", str(h))],
+                             "--tree", ",".join(["auto", *BLOCK_MODES[1:]]),  # the bench adds chain3 itself
                              "--only", "proposers,batch", "--max-new-tokens", str(args.eval_tokens),
                              "--batches", "1,4,16", "--batch-repeats", "8", "--dtype", args.dtype,
                              "--out", str(root / "blocks" / "bench")])

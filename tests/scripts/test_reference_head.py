@@ -258,16 +258,23 @@ def test_the_block_drafters_train_as_many_epochs_as_the_eagle3_head(tmp_path, mo
         pass
 
     def cmd(stage, argv):
-        raise Stop  # the evals come after the training this test is about
+        commands[stage] = argv
+        if stage == "blocks bench":
+            raise Stop  # the table it reads is not made here
+
+    commands = {}
 
     monkeypatch.setattr(mod, "fit", fit)
     run = Namespace(cmd=cmd)
-    args = Namespace(epochs=1, extend_epochs="3", precision="32", eval_per_domain=1, eval_tokens=8)
+    args = Namespace(epochs=1, extend_epochs="3", precision="32", eval_per_domain=1, eval_tokens=8, dtype="float32")
     import pytest
 
     with pytest.raises(Stop):
         mod._blocks(run, tmp_path, tmp_path / "extended/head", args)
     assert made == {"blocks dflash": 4, "blocks dspark": 4}  # 1 epoch of the first fit + a round of 3
+    mode = lambda argv: argv[argv.index("--tree") + 1]  # noqa: E731
+    assert {mode(commands[f"blocks eval {f}"]) for f in ("eagle3", "dflash", "dspark")} == {"chain3,chain7,small"}
+    assert mode(commands["blocks bench"]) == "auto,chain7,small"  # and chain3, which the bench always runs
 
 
 def test_a_card_names_paths_inside_the_checkout_from_the_checkout(tmp_path):
