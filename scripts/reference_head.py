@@ -642,7 +642,7 @@ def _blocks(run: Run, root: Path, head: Path, args) -> None:
                 str(args.eval_per_domain), "--max-new-tokens", str(args.eval_tokens), "--tree", ",".join(BLOCK_MODES),
                 "--out", str(ev)])
     run.cmd("blocks bench", [dh, "bench", *[a for fam, h in heads.items() for a in (f"--{fam}", str(h))],
-                             "--tree", ",".join(["auto", *BLOCK_MODES[1:]]),  # the bench adds chain3 itself
+                             "--tree", ",".join(["auto", *(m for m in BLOCK_MODES if m != "chain3")]),  # it adds chain3
                              "--only", "proposers,batch", "--max-new-tokens", str(args.eval_tokens),
                              "--batches", "1,4,16", "--batch-repeats", "8", "--dtype", args.dtype,
                              "--out", str(root / "blocks" / "bench")])
