@@ -489,9 +489,10 @@ def main() -> int:
     if need := unmet_need(only, head_stage, lambda n: finished[n]):
         sys.exit(f"reference-head: --only {need[0]} reads what {need[1]} makes, and it is not finished: add it to "
                  "--only, or run without --only")
-    if "plain_tok_s" not in run.times:
-        run.times["plain_tok_s"] = round(plain_decode_rate(), 2)
-        run.save_times()
+    # measured at every start: a resumed run may be on another machine, and each stage lists the rates of the
+    # machines it ran on
+    run.times["plain_tok_s"] = round(plain_decode_rate(), 2)
+    run.save_times()
     run.say(f"machine: plain decode {run.times['plain_tok_s']:.1f} tok/s at batch 1 (fp32, engine)")
     run.say(f"synthesize, distill and bench in {args.dtype}; train in precision {args.precision}; eval in float32")
 
