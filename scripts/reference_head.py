@@ -209,7 +209,8 @@ def with_turns(records: list[dict], prompts: dict) -> bytes:
 class DataStore:
     """The text outputs of synthesize and distill kept in a directory that outlives the run's (see --data-store).
 
-    :meth:`save` copies each one there as it grows (finished files replace the partial ones); :meth:`seed` puts
+    :meth:`save` copies each one there as it grows (finished files replace the partial ones, and the partial
+    ones of a growing output replace the finished ones they extend); :meth:`seed` puts
     the stored ones into a run directory that lacks them, with the wall time and machines they took."""
 
     def __init__(self, root: Path, data: Path):
@@ -251,9 +252,10 @@ class DataStore:
                         self._copy(self.data / f, self.root / f)
                 except FileNotFoundError:
                     continue  # the stage is renaming its partial files to finished ones: the next save has them
-                if finished:
-                    for f in self.files(stage, False):
-                        (self.root / f).unlink(missing_ok=True)
+                # the other kind goes: a finished file replaces the partial one it was, and a partial one is an
+                # extension (--extend reopens the finished file as the partial one), holding all of it
+                for f in self.files(stage, not finished):
+                    (self.root / f).unlink(missing_ok=True)
                 kept[stage] = {"finished": finished, "machines": times.get("machines", {}).get(stage, []),
                                "seconds": times.get(stage) if finished else times.get("running", {}).get(stage)}
             if kept:

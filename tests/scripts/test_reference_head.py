@@ -139,6 +139,20 @@ def test_a_data_store_keeps_the_text_as_it_grows_and_seeds_a_fresh_run(tmp_path)
     mod.DataStore(store.root, tmp_path / "c/data").seed(c)
     assert (tmp_path / "c/data/synth.jsonl").read_text().count("\n") == 2 and c.times["synthesize"] == 100.0
     assert "taken from the data store" in (tmp_path / "c/log.txt").read_text()
+
+    # growing it (synthesize --extend reopens the finished file as the partial one): the store keeps the partial
+    # files, and a fresh run resumes the growth instead of starting it over from the smaller finished file
+    (data / "synth.jsonl").rename(data / "synth.jsonl.partial")
+    (data / "synth.jsonl.partial.json").write_text('{"round": 2, "kept": 3}')
+    with (data / "synth.jsonl.partial").open("a") as f:
+        f.write('{"id": "syn-math-000001"}\n')
+    store.save(a.times)
+    assert sorted(p.name for p in store.root.iterdir()) == ["stages.json", "synth.jsonl.partial",
+                                                            "synth.jsonl.partial.json"]
+    d = mod.Run(tmp_path / "d")
+    mod.DataStore(store.root, tmp_path / "d/data").seed(d)
+    assert (tmp_path / "d/data/synth.jsonl.partial").read_text().count("\n") == 3
+    assert not (tmp_path / "d/data/synth.jsonl").exists()
     store.drop("synthesize")
     assert sorted(p.name for p in store.root.iterdir()) == ["stages.json"]
 
