@@ -8,7 +8,10 @@
    forward and backward, with either attention in its layer;
 3. loss: a whole step (training-time test, EAGLE-3 loss, backward, AdamW) with the loss's per-chunk
    arithmetic run eagerly (``loss_impl: chunked``) or compiled (``loss_impl: compiled``; its compile is
-   timed apart).
+   timed apart);
+4. blocks: a DFlash training step of a 2-layer head (block 8, draft vocabulary 8k), forward and backward
+   through the draft cross-entropy, at each number of anchors per row in --anchors (what
+   ``model.anchors_per_row`` costs).
 
 Rows of --tokens tokens packed with documents of 200-500 tokens, cut at other places in each row, all
 answer tokens. Prints seconds per call and the
@@ -21,10 +24,12 @@ import time
 
 import torch
 
-from draftheads.heads import Eagle3Config, Eagle3Head, LayerSpec, layers
+from draftheads.heads import DFlashConfig, DFlashHead, Eagle3Config, Eagle3Head, LayerSpec, layers
+from draftheads.heads.dflash import block_attention_mask
 from draftheads.heads.layers import masked_own_attention, prefix_and_own_attention
 from draftheads.training.data import doc_causal_mask
-from draftheads.training.losses import eagle3_loss
+from draftheads.training.dflash import sample_anchors
+from draftheads.training.losses import eagle3_loss, linear_cross_entropy
 
 HIDDEN, DRAFT_VOCAB = 576, 8192
 
@@ -53,11 +58,13 @@ def backward(out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+SPEC = LayerSpec(hidden_size=HIDDEN, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                 head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0)
+
+
 def smollm2_head(steps: int) -> Eagle3Head:
-    spec = LayerSpec(hidden_size=HIDDEN, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                     head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0)
     torch.manual_seed(0)
-    return Eagle3Head(Eagle3Config(layer=spec, vocab_size=49152, draft_vocab_size=DRAFT_VOCAB,
+    return Eagle3Head(Eagle3Config(layer=SPEC, vocab_size=49152, draft_vocab_size=DRAFT_VOCAB,
                                    aux_layer_ids=(2, 15, 27), target_hidden_size=HIDDEN, ttt_steps=steps))
 
 
@@ -138,6 +145,47 @@ def loss_impls(step: Step, tokens: int, repeats: int) -> dict:
     return out
 
 
+class BlockStep:
+    """Random inputs of one DFlash training batch and a 2-layer head of SmolLM2's shapes."""
+
+    def __init__(self, dtype, b: int, t: int):
+        torch.manual_seed(0)
+        self.head = DFlashHead(DFlashConfig(layer=SPEC, vocab_size=49152, target_layer_ids=(2, 15, 27), mask_token_id=0,
+                                            num_layers=2, block_size=8, target_hidden_size=HIDDEN,
+                                            draft_vocab_size=DRAFT_VOCAB))
+        g = torch.Generator().manual_seed(3)
+        self.feats, self.emb = torch.randn(b, t, 3 * HIDDEN, generator=g), torch.randn(b, t, HIDDEN, generator=g)
+        self.doc, self.pos = packed_docs(b, t), torch.arange(t).expand(b, t)
+        self.labels = torch.randint(0, DRAFT_VOCAB, (b, t), generator=g)
+        self.autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+
+    def grads(self, anchors: torch.Tensor) -> list[torch.Tensor]:
+        """Gradients of the draft cross-entropy of the blocks at ``anchors`` [B, N]."""
+        b, t = self.doc.shape
+        a = anchors.clamp(min=0)
+        qpos = (a[:, :, None] + torch.arange(8)).reshape(b, -1)
+        want = self.labels.gather(1, (a[:, :, None] + torch.arange(1, 9)).clamp(max=t - 1).reshape(b, -1))
+        self.head.zero_grad()
+        with torch.autocast(**self.autocast):
+            kv = self.head.context_kv(self.head.context(self.feats), self.pos)
+            block = self.head.block_inputs(self.emb.gather(1, a[:, :, None].expand(-1, -1, HIDDEN)))
+            hs = self.head(block, qpos, kv, block_attention_mask(anchors, self.doc, 8))
+            loss = linear_cross_entropy(hs.flatten(0, 1), self.head.lm_head.weight, want.flatten(), impl="chunked")
+        loss.backward()
+        return [p.grad.clone() for p in self.head.parameters() if p.grad is not None]
+
+
+def block_steps(dtype, b: int, t: int, anchors: list[int], repeats: int) -> list[dict]:
+    """Seconds of a DFlash training step at each number of anchors per row."""
+    step, out = BlockStep(dtype, b, t), []
+    for n in anchors:
+        drawn = sample_anchors(torch.ones(b, t, dtype=torch.bool), step.doc, n, torch.Generator().manual_seed(4))
+        seconds, _, _ = timed(lambda drawn=drawn: step.grads(drawn), repeats)
+        out.append({"anchors": n, "seconds": seconds, "seconds_per_anchor": seconds / (b * n)})
+        print(f"dflash step, {n} anchors per row: {seconds:.2f} s ({1000 * seconds / (b * n):.2f} ms per block)")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=4)
@@ -146,7 +194,8 @@ def main():
                     help="bfloat16: attention in bf16, the step under bf16 autocast (precision bf16-mixed)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ttt-steps", type=int, default=5)
-    ap.add_argument("--parts", default="attention,ttt,loss")
+    ap.add_argument("--parts", default="attention,ttt,loss,blocks")
+    ap.add_argument("--anchors", default="128,512", help="blocks per row in the blocks part (comma list)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype, b, t = getattr(torch, args.dtype), args.rows, args.tokens
@@ -155,11 +204,13 @@ def main():
     if "attention" in parts:
         mask = doc_causal_mask(packed_docs(b, t), dtype=dtype)
         res["attention"] = attention(mask, dtype, b, t, args.repeats)
-    step = Step(dtype, b, t, args.ttt_steps)
+    step = Step(dtype, b, t, args.ttt_steps) if parts & {"ttt", "loss"} else None
     if "ttt" in parts:
         res["ttt"] = whole_ttt(step, args.ttt_steps, args.repeats)
     if "loss" in parts:
         res["loss"] = loss_impls(step, b * t, args.repeats)
+    if "blocks" in parts:
+        res["blocks"] = block_steps(dtype, b, t, [int(n) for n in args.anchors.split(",")], args.repeats)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
