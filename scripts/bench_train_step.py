@@ -161,15 +161,15 @@ class BlockStep:
 
     def grads(self, anchors: torch.Tensor) -> list[torch.Tensor]:
         """Gradients of the draft cross-entropy of the blocks at ``anchors`` [B, N]."""
-        b, t = self.doc.shape
+        (b, t), blk = self.doc.shape, self.head.config.block_size
         a = anchors.clamp(min=0)
-        qpos = (a[:, :, None] + torch.arange(8)).reshape(b, -1)
-        want = self.labels.gather(1, (a[:, :, None] + torch.arange(1, 9)).clamp(max=t - 1).reshape(b, -1))
+        qpos = (a[:, :, None] + torch.arange(blk)).reshape(b, -1)
+        want = self.labels.gather(1, (a[:, :, None] + torch.arange(1, blk + 1)).clamp(max=t - 1).reshape(b, -1))
         self.head.zero_grad()
         with torch.autocast(**self.autocast):
             kv = self.head.context_kv(self.head.context(self.feats), self.pos)
             block = self.head.block_inputs(self.emb.gather(1, a[:, :, None].expand(-1, -1, HIDDEN)))
-            hs = self.head(block, qpos, kv, block_attention_mask(anchors, self.doc, 8))
+            hs = self.head(block, qpos, kv, block_attention_mask(anchors, self.doc, blk))
             loss = linear_cross_entropy(hs.flatten(0, 1), self.head.lm_head.weight, want.flatten(), impl="chunked")
         loss.backward()
         return [p.grad.clone() for p in self.head.parameters() if p.grad is not None]
@@ -181,7 +181,7 @@ def block_steps(dtype, b: int, t: int, anchors: list[int], repeats: int) -> list
     for n in anchors:
         drawn = sample_anchors(torch.ones(b, t, dtype=torch.bool), step.doc, n, torch.Generator().manual_seed(4))
         seconds, _, _ = timed(lambda drawn=drawn: step.grads(drawn), repeats)
-        out.append({"anchors": n, "seconds": seconds, "seconds_per_anchor": seconds / (b * n)})
+        out.append({"anchors": n, "seconds": seconds, "seconds_per_block": seconds / (b * n)})
         print(f"dflash step, {n} anchors per row: {seconds:.2f} s ({1000 * seconds / (b * n):.2f} ms per block)")
     return out
 
