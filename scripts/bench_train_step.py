@@ -11,7 +11,8 @@
    timed apart);
 4. blocks: a DFlash training step of a 2-layer head (block 8, draft vocabulary 8k), forward and backward
    through the draft cross-entropy, at each number of anchors per row in --anchors (what
-   ``model.anchors_per_row`` costs).
+   ``model.anchors_per_row`` costs), with the blocks masked for one SDPA (``model.attention: sdpa``)
+   against tiles of whole blocks (``model.attention: tiles``).
 
 Rows of --tokens tokens packed with documents of 200-500 tokens, cut at other places in each row, all
 answer tokens. Prints seconds per call and the
@@ -25,7 +26,7 @@ import time
 import torch
 
 from draftheads.heads import DFlashConfig, DFlashHead, Eagle3Config, Eagle3Head, LayerSpec, layers
-from draftheads.heads.dflash import block_attention_mask
+from draftheads.heads.dflash import BLOCK_MASKS
 from draftheads.heads.layers import masked_own_attention, prefix_and_own_attention
 from draftheads.training.data import doc_causal_mask
 from draftheads.training.dflash import sample_anchors
@@ -159,8 +160,9 @@ class BlockStep:
         self.labels = torch.randint(0, DRAFT_VOCAB, (b, t), generator=g)
         self.autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
-    def grads(self, anchors: torch.Tensor) -> list[torch.Tensor]:
-        """Gradients of the draft cross-entropy of the blocks at ``anchors`` [B, N]."""
+    def grads(self, anchors: torch.Tensor, attention: str) -> list[torch.Tensor]:
+        """Gradients of the draft cross-entropy of the blocks at ``anchors`` [B, N], masked by ``attention``
+        (a name in ``BLOCK_MASKS``)."""
         (b, t), blk = self.doc.shape, self.head.config.block_size
         a = anchors.clamp(min=0)
         qpos = (a[:, :, None] + torch.arange(blk)).reshape(b, -1)
@@ -169,20 +171,26 @@ class BlockStep:
         with torch.autocast(**self.autocast):
             kv = self.head.context_kv(self.head.context(self.feats), self.pos)
             block = self.head.block_inputs(self.emb.gather(1, a[:, :, None].expand(-1, -1, HIDDEN)))
-            hs = self.head(block, qpos, kv, block_attention_mask(anchors, self.doc, blk))
+            hs = self.head(block, qpos, kv, BLOCK_MASKS[attention](anchors, self.doc, blk))
             loss = linear_cross_entropy(hs.flatten(0, 1), self.head.lm_head.weight, want.flatten(), impl="chunked")
         loss.backward()
         return [p.grad.clone() for p in self.head.parameters() if p.grad is not None]
 
 
 def block_steps(dtype, b: int, t: int, anchors: list[int], repeats: int) -> list[dict]:
-    """Seconds of a DFlash training step at each number of anchors per row."""
+    """Seconds of a DFlash training step at each number of anchors per row, with either SDPA mask."""
     step, out = BlockStep(dtype, b, t), []
     for n in anchors:
         drawn = sample_anchors(torch.ones(b, t, dtype=torch.bool), step.doc, n, torch.Generator().manual_seed(4))
-        seconds, _, _ = timed(lambda drawn=drawn: step.grads(drawn), repeats)
-        out.append({"anchors": n, "seconds": seconds, "seconds_per_block": seconds / (b * n)})
-        print(f"dflash step, {n} anchors per row: {seconds:.2f} s ({1000 * seconds / (b * n):.2f} ms per block)")
+        seconds, grads = {}, {}
+        for name in ("sdpa", "tiles"):
+            seconds[name], _, grads[name] = timed(lambda drawn=drawn, name=name: step.grads(drawn, name), repeats)
+        diff = max(((x - y).abs().max() / x.abs().max()).item() for x, y in zip(grads["sdpa"], grads["tiles"], strict=True))
+        out.append({"anchors": n, **seconds, "seconds_per_block": {k: v / (b * n) for k, v in seconds.items()},
+                    "speedup": seconds["sdpa"] / seconds["tiles"], "max_rel_grad_diff": diff})
+        print(f"dflash step, {n} anchors per row: sdpa {seconds['sdpa']:.2f} s, tiles {seconds['tiles']:.2f} s "
+              f"({out[-1]['speedup']:.2f}x; {1000 * seconds['tiles'] / (b * n):.2f} ms per block), "
+              f"largest gradient difference {diff:.1e} of the largest gradient")
     return out
 
 

@@ -314,11 +314,12 @@ def _flex_vs_sdpa():
                                        for p in params] if grads else []
 
     grads = not args.cpu  # FlexAttention has no backward on CPU: the dry run compares losses only
-    (la, ga), (lb, gb) = step("sdpa", False, grads), step("flex", False, grads)
+    (la, ga), (lb, gb), (lc, gc) = step("sdpa", False, grads), step("flex", False, grads), step("tiles", False, grads)
     r = {"shape": {"rows": rows, "tokens": t, "anchors_per_row": anchors, "block_size": blk},
-         "loss_rel": rel(lb, la), "grad_rel": max((rel(b, a) for a, b in zip(ga, gb)), default=0.0)}
+         "loss_rel": rel(lb, la), "grad_rel": max((rel(b, a) for a, b in zip(ga, gb)), default=0.0),
+         "tiles": {"loss_rel": rel(lc, la), "grad_rel": max((rel(c, a) for a, c in zip(ga, gc)), default=0.0)}}
     if cuda and not args.cpu:
-        for name in ("sdpa", "flex"):
+        for name in ("sdpa", "tiles", "flex"):
             for _ in range(2):  # compiles the block mask's kernels at this shape
                 step(name, True)
             torch.cuda.synchronize()
@@ -327,16 +328,17 @@ def _flex_vs_sdpa():
             for _ in range(5):
                 step(name, True)
             torch.cuda.synchronize()
-            r[name] = {"step_ms": (time.perf_counter() - t0) / 5 * 1e3,
-                       "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+            r.setdefault(name, {}).update(step_ms=(time.perf_counter() - t0) / 5 * 1e3,
+                                          peak_gib=torch.cuda.max_memory_allocated() / 2**30)
     return r
 
 
 results["flex"] = {"loss_rel": 0.0, "grad_rel": 0.0, "skipped": True} if "flex" in skip else _flex_vs_sdpa()
 fx = results["flex"]
 say("flex vs sdpa: skipped" if "skipped" in fx else f"flex vs sdpa, DFlash training step {fx['shape']}: loss rel {fx['loss_rel']:.1e}, grads rel {fx['grad_rel']:.1e}"
-    + (f"; sdpa {fx['sdpa']['step_ms']:.1f} ms {fx['sdpa']['peak_gib']:.2f} GiB, flex {fx['flex']['step_ms']:.1f} ms "
-       f"{fx['flex']['peak_gib']:.2f} GiB" if "flex" in fx else ""))
+    f"; tiles vs sdpa: loss rel {fx['tiles']['loss_rel']:.1e}, grads rel {fx['tiles']['grad_rel']:.1e}"
+    + "".join(f"; {n} {fx[n]['step_ms']:.1f} ms {fx[n]['peak_gib']:.2f} GiB" for n in ("sdpa", "tiles", "flex")
+              if "step_ms" in fx.get(n, {})))
 
 (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
 say(f"| sampling T=0.7 | same seed same output: {results['sampling']['same_seed_same_output']}, "

@@ -14,8 +14,9 @@ head over a draft vocabulary (``d2t``).
 
 Training places many blocks in one sequence (:func:`block_attention_mask`): block j, anchored at
 position a_j, sees the context of its own document strictly before a_j, and its own block. The same
-pattern as a FlexAttention block mask (:func:`block_flex_mask`) skips the context tiles a block never
-reads instead of materialising [Q, T + Q] per row (``BLOCK_MASKS`` names both).
+pattern cut into tiles of whole blocks (:func:`block_tiles`, one SDPA per tile over the context span its
+blocks see) or as a FlexAttention block mask (:func:`block_flex_mask`) skips the keys a block never reads
+instead of scoring [Q, T + Q] per row (``BLOCK_MASKS`` names all three).
 
 ``target_layer_ids`` are HF hidden-state ids (1 = output of the first decoder layer), the project's
 convention everywhere; vLLM's ``dflash_config.target_layer_ids`` count decoder-layer outputs from 0,
@@ -35,7 +36,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from draftheads.errors import DraftheadsError
-from draftheads.heads.layers import DraftMLP, LayerSpec, RMSNorm, Rotary, apply_rope
+from draftheads.heads.layers import DraftMLP, LayerSpec, RMSNorm, Rotary, apply_rope, repeat_kv
 
 MAX_BLOCK_SIZE = 128
 """A block is verified as one tree: at most the engine's tree budget."""
@@ -132,18 +133,18 @@ class BlockAttention(nn.Module):
 
     def forward(self, x, cos, sin, ctx_kv, mask):
         """x [B, Q, H] block tokens; ctx_kv (k, v) [B, kvh, T, D]; mask bool [B or 1, 1, Q, T + Q]
-        (True = attend) or the same as a FlexAttention ``BlockMask``. Returns [B, Q, H]."""
+        (True = attend), or the same as :class:`BlockTiles` or a FlexAttention ``BlockMask``. Returns [B, Q, H]."""
         b, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.h, self.d)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k, v = self.keys_values(x, cos, sin)
-        k, v = torch.cat([ctx_kv[0], k], 2), torch.cat([ctx_kv[1], v], 2)
-        if isinstance(mask, BlockMask):
+        if isinstance(mask, BlockTiles):
+            out = tiled_block_attention(q, ctx_kv, (k, v), mask)
+        elif isinstance(mask, BlockMask):
+            k, v = torch.cat([ctx_kv[0], k], 2), torch.cat([ctx_kv[1], v], 2)
             out = _flex_attention(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
         else:
-            rep = self.h // self.kvh
-            if rep > 1:
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            k, v = repeat_kv(torch.cat([ctx_kv[0], k], 2), torch.cat([ctx_kv[1], v], 2), self.h // self.kvh)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.h * self.d))
 
@@ -197,7 +198,8 @@ class DFlashHead(nn.Module):
 
     def forward(self, block_embeds, block_positions, ctx_kv, mask) -> torch.Tensor:
         """block_embeds [B, Q, H], block_positions [B, Q], ctx_kv from :meth:`context_kv`, mask bool
-        [B, 1, Q, T + Q] -> normed hidden states [B, Q, H] (logits via :meth:`projection`)."""
+        [B, 1, Q, T + Q] (or its :class:`BlockTiles` or ``BlockMask`` form) -> normed hidden states [B, Q, H]
+        (logits via :meth:`projection`)."""
         cos, sin = self.rotary(block_embeds, block_positions)
         x = block_embeds
         for layer, kv in zip(self.layers, ctx_kv):
@@ -216,6 +218,26 @@ class DFlashHead(nn.Module):
         return ids + self.d2t[ids] if self.config.draft_vocab_size is not None else ids
 
 
+def context_visible(anchors: torch.Tensor, doc_ids: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+    """[B, N, T] True where block j (anchored at ``anchors`` [B, N], -1 = no block) sees context position t
+    of its row (``doc_ids`` [B, T]): t in the anchor's document, t < a, and within ``sliding_window`` of a."""
+    t = doc_ids.shape[1]
+    a = anchors.clamp(min=0)
+    pos = torch.arange(t, device=anchors.device)
+    anchor_doc = doc_ids.gather(1, a)  # [B, N]
+    ctx = (doc_ids[:, None, :] == anchor_doc[:, :, None]) & (pos[None, None, :] < a[:, :, None])
+    if sliding_window is not None:
+        ctx &= pos[None, None, :] >= (a - sliding_window)[:, :, None]
+    return ctx & (anchors >= 0)[:, :, None]
+
+
+def own_visible(q: int, block_size: int, causal: bool = False, device=None) -> torch.Tensor:
+    """[Q, Q] True where query k of ``q`` consecutive block tokens sees key k': same block, and k' <= k if causal."""
+    i = torch.arange(q, device=device)
+    within = i[:, None] // block_size == i[None, :] // block_size
+    return within & (i[None, :] <= i[:, None]) if causal else within
+
+
 def block_attention_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, causal: bool = False,
                          sliding_window: int | None = None) -> torch.Tensor:
     """Boolean attention mask [B, 1, N * block_size, T + N * block_size] (True = attend) for the blocks
@@ -225,22 +247,57 @@ def block_attention_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_siz
     within ``sliding_window`` of a), and key k' of its own block when k' <= k or, non-causal, always.
     A block with no anchor sees nothing but itself (its loss is masked)."""
     b, n = anchors.shape
-    t = doc_ids.shape[1]
     q = n * block_size
-    valid = anchors >= 0
-    a = anchors.clamp(min=0)
-    pos = torch.arange(t, device=anchors.device)
-    anchor_doc = doc_ids.gather(1, a)  # [B, N]
-    ctx = (doc_ids[:, None, :] == anchor_doc[:, :, None]) & (pos[None, None, :] < a[:, :, None])
-    if sliding_window is not None:
-        ctx &= pos[None, None, :] >= (a - sliding_window)[:, :, None]
-    ctx &= valid[:, :, None]  # [B, N, T]
-    ctx = ctx.repeat_interleave(block_size, dim=1)  # [B, Q, T]
-    block = torch.arange(q, device=anchors.device) // block_size
-    within = block[:, None] == block[None, :]
-    if causal:
-        within &= torch.arange(q, device=anchors.device)[None, :] <= torch.arange(q, device=anchors.device)[:, None]
-    return torch.cat([ctx, within.expand(b, q, q)], -1)[:, None]
+    ctx = context_visible(anchors, doc_ids, sliding_window).repeat_interleave(block_size, dim=1)  # [B, Q, T]
+    return torch.cat([ctx, own_visible(q, block_size, causal, anchors.device).expand(b, q, q)], -1)[:, None]
+
+
+TILE_ROWS = 128
+"""Query rows per tile of :func:`block_tiles` (rounded down to whole blocks, at least one)."""
+
+
+@dataclass
+class BlockTiles:
+    """:func:`block_attention_mask` cut into tiles of whole blocks, each with the span of context keys its
+    blocks see: a tile's queries attend to ``ctx[keys]`` and their own block tokens only, so no query is
+    scored against another tile's blocks or context outside the span."""
+
+    tiles: list[tuple[slice, slice, torch.Tensor]]
+    """(query rows, context keys, bool mask [B, 1, rows, keys + rows]) per tile, in query order."""
+
+
+def block_tiles(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, causal: bool = False,
+                sliding_window: int | None = None, rows: int | None = None) -> BlockTiles:
+    """The mask of :func:`block_attention_mask` as :class:`BlockTiles` of ``rows`` query rows (default
+    ``TILE_ROWS``). With ascending
+    anchors (as training draws them) a tile's span runs from its first block's document start to its last
+    anchor, about half a row on average, instead of all T context keys plus all N * block_size block keys."""
+    b, n = anchors.shape
+    per = max((rows or TILE_ROWS) // block_size, 1)
+    ctx = context_visible(anchors, doc_ids, sliding_window)  # [B, N, T]
+    own = own_visible(per * block_size, block_size, causal, anchors.device)
+    tiles = []
+    for j in range(0, n, per):
+        cols = ctx[:, j: j + per].any(1).any(0).nonzero()
+        lo, hi = (int(cols[0]), int(cols[-1]) + 1) if len(cols) else (0, 0)
+        m = ctx[:, j: j + per, lo:hi].repeat_interleave(block_size, dim=1)  # [B, rows, hi - lo]
+        r = m.shape[1]
+        tiles.append((slice(j * block_size, j * block_size + r), slice(lo, hi),
+                      torch.cat([m, own[:r, :r].expand(b, r, r)], -1)[:, None]))
+    return BlockTiles(tiles)
+
+
+def tiled_block_attention(q: torch.Tensor, ctx_kv: tuple, own_kv: tuple, tiles: BlockTiles) -> torch.Tensor:
+    """Attention of the block queries ``q`` [B, h, Q, D] over the context keys and values ``ctx_kv``
+    ([B, kvh, T, D] each) and the blocks' own ``own_kv`` ([B, kvh, Q, D] each), one SDPA per tile of
+    ``tiles``. The same as one SDPA under :func:`block_attention_mask`. Returns [B, h, Q, D]."""
+    rep = q.shape[1] // ctx_kv[0].shape[1]
+    outs = []
+    for r, c, m in tiles.tiles:
+        k, v = repeat_kv(torch.cat([ctx_kv[0][:, :, c], own_kv[0][:, :, r]], 2),
+                         torch.cat([ctx_kv[1][:, :, c], own_kv[1][:, :, r]], 2), rep)
+        outs.append(F.scaled_dot_product_attention(q[:, :, r], k, v, attn_mask=m))
+    return torch.cat(outs, 2)
 
 
 def block_flex_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, causal: bool = False,
@@ -266,8 +323,9 @@ def block_flex_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: in
     return create_block_mask(attend, b, None, n * block_size, t + n * block_size, device=anchors.device)
 
 
-BLOCK_MASKS = {"sdpa": block_attention_mask, "flex": block_flex_mask}
-"""How a training step masks its blocks: a dense boolean mask for SDPA, or a FlexAttention block mask."""
+BLOCK_MASKS = {"sdpa": block_attention_mask, "tiles": block_tiles, "flex": block_flex_mask}
+"""How a training step masks its blocks: a dense boolean mask for one SDPA, tiles of whole blocks with one SDPA
+each over the context their blocks see, or a FlexAttention block mask."""
 
 
 @functools.cache

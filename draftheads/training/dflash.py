@@ -2,8 +2,8 @@
 
 For a row with target features, ``anchors_per_row`` anchor positions a are drawn among the positions
 whose next token is trained (``loss_mask[a + 1]``); block j is ``[x_a, MASK, ...]`` at a .. a + B - 1
-and sees its document's context before a (:func:`~draftheads.heads.dflash.block_attention_mask`, or its
-FlexAttention form on CUDA). The mask at a + k is trained towards the target's own next-token distribution at a + k - 1 (KL, teacher
+and sees its document's context before a (:func:`~draftheads.heads.dflash.block_attention_mask`, taken
+tile by tile, or its FlexAttention form on CUDA). The mask at a + k is trained towards the target's own next-token distribution at a + k - 1 (KL, teacher
 logits computed only at those positions) or its token (``loss: ce``), weighted by exp(-(k - 1) / B),
 over the target's full vocabulary through its frozen lm_head, or over a draft vocabulary through the
 head's own lm_head (``draft_vocab_size``; the teacher restricted to it), with the chunked/Liger fused losses.
@@ -103,7 +103,7 @@ class DFlashModule(DraftHeadModule):
         loss: str = "kl",
         position_weighting: str = "decay",
         dpace_alpha: float = 0.5,
-        attention: str = "sdpa",
+        attention: str = "tiles",
         draft_vocab_size: int | None = None,
         seed: int = 0,
         **kwargs,
@@ -124,10 +124,14 @@ class DFlashModule(DraftHeadModule):
             position_weighting: ``decay`` (draft j weighs exp(-(j - 1) / block_size)) or ``dpace`` (weights
                 from the draft's own confidence, :func:`dpace_weights`; needs ``loss: ce``).
             dpace_alpha: D-PACE's confidence smoothing, in (0, 1].
-            attention: how blocks are masked: ``sdpa`` (a dense mask) or ``flex`` (a FlexAttention block mask,
-                compiled; CUDA only, as FlexAttention has no CPU backward). On an H200 at 4 rows of 2,048
-                tokens, 128 anchors, block 8, both gave the same loss and gradients at the same step time and
-                memory (``scripts/gpu_check.sh``, docs/gpu.md).
+            attention: how blocks are masked: ``tiles`` (tiles of whole blocks, one SDPA each over the
+                context span its blocks see), ``sdpa`` (one SDPA under a dense [Q, T + Q] mask) or ``flex`` (a
+                FlexAttention block mask, compiled; CUDA only, as FlexAttention has no CPU backward). All
+                three give the same loss and gradients. On 2 CPU threads, 4 rows of 1,024 tokens, bf16, a
+                step with tiles ran 1.09x (128 anchors) to 1.36x (512) as fast as with the dense mask
+                (``scripts/bench_train_step.py --parts blocks``); on an H200 at 4 rows of 2,048 tokens, 128
+                anchors, block 8, ``flex`` and ``sdpa`` gave the same step time and memory
+                (``scripts/gpu_check.sh``, docs/gpu.md).
             draft_vocab_size: an own lm_head over this many most frequent training targets (``d2t``),
                 started at the target's rows and trained, the teacher restricted to them (as EAGLE-3's);
                 None: the target's frozen lm_head over the full vocabulary.

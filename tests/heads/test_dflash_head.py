@@ -2,7 +2,14 @@ import pytest
 import torch
 
 from draftheads.errors import DraftheadsError
-from draftheads.heads.dflash import DFlashConfig, DFlashHead, block_attention_mask, block_flex_mask
+from draftheads.heads.dflash import (
+    BlockTiles,
+    DFlashConfig,
+    DFlashHead,
+    block_attention_mask,
+    block_flex_mask,
+    block_tiles,
+)
 from draftheads.heads.layers import LayerSpec
 
 SPEC = LayerSpec(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -54,6 +61,53 @@ def test_the_head_gives_the_same_blocks_through_flex_attention():
         want = head(q, qpos, kv, block_attention_mask(anchors, docs, 3))
         got = head(q, qpos, kv, block_flex_mask(anchors, docs, 3))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 3)])
+def test_block_tiles_hold_the_dense_mask_inside_their_spans(causal, window):
+    anchors = torch.tensor([[3, 8, -1], [1, 5, 9]])
+    docs = torch.tensor([[0] * 6 + [1] * 6, [0, 0, 0, 1, 1, 1, 1, 1, 1, 1, -1, -1]])
+    dense = block_attention_mask(anchors, docs, 3, causal, window)[:, 0]  # [B, 9, 12 + 9]
+    for rows in (3, 6, 128):
+        tiles = block_tiles(anchors, docs, 3, causal, window, rows=rows)
+        assert [r for r, _, _ in tiles.tiles] == [slice(i, min(i + max(rows // 3, 1) * 3, 9))
+                                                  for i in range(0, 9, max(rows // 3, 1) * 3)]
+        for r, c, m in tiles.tiles:
+            want = dense[:, r]
+            assert torch.equal(m[:, 0, :, : c.stop - c.start], want[:, :, c])  # the context span
+            assert not want[:, :, :12][:, :, torch.arange(12) < c.start].any()  # nothing seen outside it
+            assert not want[:, :, :12][:, :, torch.arange(12) >= c.stop].any()
+            assert torch.equal(m[:, 0, :, c.stop - c.start:], want[:, :, 12:][:, :, r])  # own blocks
+            assert not want[:, :, 12:][:, :, torch.arange(9) < r.start].any()
+            assert not want[:, :, 12:][:, :, torch.arange(9) >= r.stop].any()
+    first = block_tiles(anchors, docs, 3, rows=3).tiles[0]
+    assert first[1] == slice(0, 3)  # row 0 block at 3 reads 0..2, row 1 block at 1 reads 0
+
+
+def test_the_head_gives_the_same_blocks_and_gradients_through_tiles():
+    head = _head()
+    t = 14
+    feats, embeds = torch.randn(2, t, 2 * 24), torch.randn(2, t, SPEC.hidden_size)
+    anchors = torch.tensor([[2, 6, 7, 11], [1, 4, 12, -1]])
+    docs = torch.tensor([[0] * 5 + [1] * 9, [0] * 8 + [1] * 4 + [-1] * 2])
+    qpos = (anchors.clamp(min=0)[:, :, None] + torch.arange(3)).reshape(2, -1)
+
+    def run(mask):
+        head.zero_grad()
+        kv = head.context_kv(head.context(feats), torch.arange(t).expand(2, t))
+        q = head.block_inputs(embeds.gather(1, anchors.clamp(min=0)[:, :, None].expand(-1, -1, SPEC.hidden_size)))
+        out = head(q, qpos, kv, mask)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out, [p.grad.clone() for p in head.parameters() if p.grad is not None]
+
+    want, want_grads = run(block_attention_mask(anchors, docs, 3))
+    for rows in (3, 6):
+        tiles = block_tiles(anchors, docs, 3, rows=rows)
+        assert isinstance(tiles, BlockTiles) and len(tiles.tiles) == 4 // (rows // 3)
+        got, grads = run(tiles)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for g, w in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_many_blocks_in_one_pass_equal_each_block_alone():

@@ -5,6 +5,7 @@ import torch
 from _blocks import block_batch, with_draft_vocab
 
 from draftheads.errors import DraftheadsError
+from draftheads.heads import dflash as dflash_heads
 from draftheads.targets import hidden_states
 from draftheads.training.dflash import DFlashModule, dpace_weights, sample_anchors
 from draftheads.training.losses import plain_linear_kl
@@ -73,22 +74,37 @@ def test_loss_equals_a_block_by_block_reference(module):
     assert len(accs) == cfg.block_size - 1
 
 
+def _loss_and_grads(module, batch, attention):
+    module.hparams.attention = attention
+    try:
+        module.head.zero_grad()
+        loss, _, _ = module.compute_loss(batch)
+        if torch.is_grad_enabled():
+            loss.backward()
+        return loss, [p.grad.clone() for p in module.head.parameters() if p.grad is not None]
+    finally:
+        module.hparams.attention = "tiles"
+
+
+def test_tiles_of_one_block_give_the_dense_masks_loss_and_gradients(module, monkeypatch):
+    batch = block_batch()
+    want, want_grads = _loss_and_grads(module, batch, "sdpa")
+    monkeypatch.setattr(dflash_heads, "TILE_ROWS", 1)  # one block per tile: 5 tiles per row
+    got, grads = _loss_and_grads(module, batch, "tiles")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len(grads) == len(want_grads) > 0
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
 def test_flex_attention_gives_the_dense_masks_loss_and_trains_on_cuda_only(module):
     batch = block_batch()
     with torch.no_grad():
-        want, _, _ = module.compute_loss(batch)
-        module.hparams.attention = "flex"
-        try:
-            got, _, _ = module.compute_loss(batch)
-        finally:
-            module.hparams.attention = "sdpa"
+        want, _ = _loss_and_grads(module, batch, "sdpa")
+        got, _ = _loss_and_grads(module, batch, "flex")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    module.hparams.attention = "flex"
-    try:
-        with pytest.raises(DraftheadsError, match="model.attention=flex trains on CUDA only"):
-            module.compute_loss(batch)  # with gradients, on CPU
-    finally:
-        module.hparams.attention = "sdpa"
+    with pytest.raises(DraftheadsError, match="model.attention=flex trains on CUDA only"):
+        _loss_and_grads(module, batch, "flex")  # with gradients, on CPU
     with pytest.raises(DraftheadsError, match="model.attention='dense': use one of"):
         DFlashModule(target="x", attention="dense")
 
