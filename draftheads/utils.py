@@ -150,19 +150,25 @@ def atomic_dir(final: str | os.PathLike, kind: str, *, overwrite: bool = False, 
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
     try:
         yield tmp
-        (tmp / OUTPUT_MARKER).write_text(json.dumps({"kind": kind}) + "\n")
-        if final.exists():
-            check_output_dir(final, kind, overwrite=overwrite, inputs=inputs, flag=flag,
-                             names=[p.name for p in tmp.iterdir()])
-            old = final.with_name(f".{final.name}.tmp-{os.getpid()}-old")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        publish_dir(tmp, final, kind, overwrite=overwrite, inputs=inputs, flag=flag)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def publish_dir(done: Path, final: Path, kind: str, *, overwrite: bool = False, inputs=(), flag: str = "--out") -> None:
+    """Mark the finished folder ``done`` as ``kind``'s output and put it in place of ``final`` in one rename
+    (a previous ``final`` is replaced only as :func:`check_output_dir` allows, given the names ``done`` holds)."""
+    (done / OUTPUT_MARKER).write_text(json.dumps({"kind": kind}) + "\n")
+    if final.exists():
+        check_output_dir(final, kind, overwrite=overwrite, inputs=inputs, flag=flag,
+                         names=[p.name for p in done.iterdir()])
+        old = final.with_name(f".{final.name}.tmp-{os.getpid()}-old")
+        os.replace(final, old)
+        os.replace(done, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(done, final)
 
 
 @contextlib.contextmanager

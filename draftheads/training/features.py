@@ -3,7 +3,10 @@
 
 Two writers fill the same format: ``draftheads cache-features`` runs the target over packed training
 rows (:func:`write_feature_cache`), and ``draftheads distill --features`` keeps the hidden states of the
-generation pass itself (:class:`FeatureShardWriter`, fed one conversation at a time).
+generation pass itself (:class:`FeatureShardWriter`, fed one conversation at a time). Both resume a killed
+run at its last committed shard: ``cache-features`` writes into a hidden ``.<out>.partial`` folder beside
+``--out`` (each shard recorded with a digest of its rows, so a rerun reuses exactly the shards it would
+write again) and puts it in place of ``--out`` in one rename when every shard is written.
 
 Each shard ``{split}-{n:05d}.safetensors`` holds ``input_ids``, ``loss_mask``, ``position_ids``,
 ``doc_ids`` [rows, T], ``feat_{id}`` [rows, T, H] and ``target_argmax`` [rows, T] (the target's greedy
@@ -15,8 +18,11 @@ interrupted writer resumes after its last committed shard.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
+import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -26,9 +32,10 @@ from safetensors.torch import save_file
 from draftheads.errors import DraftheadsError
 from draftheads.targets import check_layer_ids, hidden_states
 from draftheads.training.data import collate, doc_causal_mask
-from draftheads.utils import atomic_dir, atomic_write_json, safetensors_shapes
+from draftheads.utils import atomic_write_json, check_output_dir, exclusive, publish_dir, safetensors_shapes
 
 ROW_KEYS = ("input_ids", "loss_mask", "position_ids", "doc_ids")
+log = logging.getLogger(__name__)
 INDEX_VERSION = 2
 
 
@@ -48,20 +55,32 @@ def write_feature_cache(
     batch_size: int = 4, shard_rows: int = 256, dtype=torch.bfloat16, progress=None, overwrite: bool = False,
     inputs=(),
 ) -> Path:
-    """Run the target over packed rows and write their features (the offline path)."""
+    """Run the target over packed rows and write their features (the offline path), resuming the shards an
+    interrupted run with the same settings committed (:func:`partial_dir`)."""
     from draftheads.training.losses import linear_argmax
 
     lm_head = model.get_output_embeddings().weight
     last = model.config.get_text_config().num_hidden_layers
     layer_ids = check_layer_ids(layer_ids, last, "feature layers")
     wanted = sorted(set(layer_ids) | {last})
-    index = new_index(target_name, layer_ids, dtype)
-    with atomic_dir(out, "cache-features", overwrite=overwrite, inputs=inputs) as tmp:
+    out = Path(out)
+    check_output_dir(out, "cache-features", overwrite=overwrite, inputs=inputs)
+    work = partial_dir(out)
+    with exclusive(out):
+        index = _resumed_index(work, new_index(target_name, layer_ids, dtype, shard_rows=shard_rows))
         for split, rows in rows_by_split.items():
-            shards = []
-            for s in range(0, len(rows), shard_rows):
+            done, shards = index["splits"].get(split, []), []
+            index["splits"][split] = shards
+            for n, s in enumerate(range(0, len(rows), shard_rows)):
                 chunk = rows[s : s + shard_rows]
                 tensors = collate(chunk)
+                name, digest = f"{split}-{n:05d}.safetensors", rows_digest(tensors)
+                if n < len(done) and done[n] == {"file": name, "rows": len(chunk), "digest": digest}:
+                    shards.append(done[n])  # committed by an earlier run, from the same rows
+                    if progress:
+                        progress(len(chunk))
+                    continue
+                done = []  # the rows differ from here on: every later shard is written anew
                 feats = {i: [] for i in layer_ids}
                 argmax = []
                 for b in range(0, len(chunk), batch_size):
@@ -77,13 +96,47 @@ def write_feature_cache(
                         progress(len(part["input_ids"]))
                 tensors.update({f"feat_{i}": torch.cat(v) for i, v in feats.items()})
                 tensors["target_argmax"] = torch.cat(argmax)
-                name = f"{split}-{len(shards):05d}.safetensors"
-                _save_shard(tmp / name, tensors)
-                shards.append({"file": name, "rows": len(chunk)})
-            index["splits"][split] = shards
+                _save_shard(work / name, tensors)
+                shards.append({"file": name, "rows": len(chunk), "digest": digest})
+                atomic_write_json(work / "index.json", index)
         index["complete"] = True
-        (tmp / "index.json").write_text(json.dumps(index, indent=2))
-    return Path(out)
+        atomic_write_json(work / "index.json", index)
+        listed = {sh["file"] for shards in index["splits"].values() for sh in shards}
+        for f in work.glob("*.safetensors"):  # shards of an earlier run past where this one's rows end
+            if f.name not in listed:
+                f.unlink()
+        publish_dir(work, out, "cache-features", overwrite=overwrite, inputs=inputs)
+    return out
+
+
+def partial_dir(out: Path) -> Path:
+    """Where ``cache-features`` keeps the committed shards of an unfinished ``out``: ``.<name>.partial`` beside it."""
+    return out.with_name(f".{out.name}.partial")
+
+
+def rows_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """A digest of a shard's packed rows (``ROW_KEYS``): equal digests, equal rows."""
+    h = hashlib.sha256()
+    for k in ROW_KEYS:
+        h.update(k.encode())
+        h.update(tensors[k].numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def _resumed_index(work: Path, fresh: dict) -> dict:
+    """The index of the unfinished cache in ``work`` when it was written with ``fresh``'s settings; otherwise
+    ``work`` emptied and ``fresh``."""
+    idx = work / "index.json"
+    if idx.is_file():
+        old = json.loads(idx.read_text())
+        if all(old.get(k) == fresh[k] for k in ("version", "target", "layer_ids", "dtype", "shard_rows")):
+            kept = sum(len(v) for v in old["splits"].values())
+            log.info("cache-features: resuming %s, %d shard(s) written by an earlier run", work, kept)
+            return old
+        log.info("cache-features: %s was written with other settings; starting over", work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    return fresh
 
 
 def new_index(target_name: str, layer_ids, dtype, **extra) -> dict:

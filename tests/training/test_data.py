@@ -165,6 +165,55 @@ def test_offline_features_equal_online(tiny_llama_dir, tmp_path):
     assert torch.equal(batch["target_argmax"], logits.argmax(-1))
 
 
+def test_cache_features_resumes_a_killed_run_at_its_last_committed_shard(tiny_llama_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from draftheads.targets import load_target
+    from draftheads.training.data import build_dataset
+    from draftheads.training.features import partial_dir, write_feature_cache
+
+    target = load_target(str(tiny_llama_dir))
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}"},
+                                                  {"role": "assistant", "content": f"answer number {i}"}]}) + "\n"
+                         for i in range(10)))
+    train, val, _ = build_dataset(target.tokenizer, [str(f)], 32, False, 0.2, 0, cache=False)
+    rows = {"train": list(train), "val": list(val)}
+    forwards = [0]
+    target.model.get_input_embeddings().register_forward_hook(lambda *a: forwards.__setitem__(0, forwards[0] + 1))
+
+    def write(out, layers=(1, 2), stop_after=None, data=rows):
+        def progress(n):
+            if stop_after is not None and forwards[0] >= stop_after:
+                raise KeyboardInterrupt
+        forwards[0] = 0
+        write_feature_cache(target.model, data, list(layers), tmp_path / out, "tiny", batch_size=1, shard_rows=3,
+                            progress=progress)
+        return forwards[0]
+
+    assert write("whole") == 10  # 8 train rows in shards of 3, 3, 2; 2 val rows
+    with pytest.raises(KeyboardInterrupt):
+        write("feats", stop_after=4)  # killed in the second shard: only the first is committed
+    assert not (tmp_path / "feats").exists()
+    assert [sh["file"] for sh in json.loads((partial_dir(tmp_path / "feats") / "index.json").read_text())["splits"]["train"]] \
+        == ["train-00000.safetensors"]
+    assert write("feats") == 7  # the rows of the uncommitted shards only
+    assert not partial_dir(tmp_path / "feats").exists()
+    for name in ("train-00000", "train-00001", "train-00002", "val-00000"):
+        got, want = (load_file(tmp_path / d / f"{name}.safetensors") for d in ("feats", "whole"))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert json.loads((tmp_path / "feats/index.json").read_text())["complete"] is True
+
+    with pytest.raises(KeyboardInterrupt):
+        write("other", stop_after=4)
+    assert write("other", layers=(1, 3)) == 10  # other layers: the partial shards are not reused
+    assert "feat_3" in load_file(tmp_path / "other/train-00000.safetensors")
+    with pytest.raises(KeyboardInterrupt):
+        write("moved", stop_after=7)  # two train shards committed
+    moved = {"train": rows["train"][:3] + rows["train"][4:], "val": rows["val"]}
+    assert write("moved", data=moved) == 6  # shard 0 holds the same rows; from shard 1 on they differ
+
+
 def test_a_feature_cache_without_a_validation_split_counts_no_val_tokens(tiny_llama_dir, tmp_path):
     """distill/cache-features --val-fraction 0: the draft vocabulary's held-out counts are empty (sized on
     the training targets), not a crash."""
