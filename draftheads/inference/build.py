@@ -24,9 +24,10 @@ def check_drafter(head: str | None = None, proposer: str | None = None):
     return load_head(head)[0] if head else None
 
 
-def make_proposer(target, head=None, proposer: str | None = None):
+def make_proposer(target, head=None, proposer: str | None = None, options: dict | None = None):
     """``target`` is a loaded :class:`~draftheads.targets.Target`; ``head`` a head directory or a module from
-    :func:`check_drafter`. Returns None for plain decoding."""
+    :func:`check_drafter`; ``options``: keyword arguments of the head family's proposer. Returns None for
+    plain decoding."""
     module = check_drafter(head, proposer) if head is None or isinstance(head, (str, os.PathLike)) else head
     if proposer:
         from draftheads.inference.proposers.ngram import NGramProposer
@@ -41,7 +42,7 @@ def make_proposer(target, head=None, proposer: str | None = None):
     module = module.to(device=weight.device, dtype=weight.dtype)
     from draftheads.heads import family
 
-    return family(module.head_type).proposer(module, target.model)
+    return family(module.head_type).proposer(module, target.model, **(options or {}))
 
 
 def make_engine(target, proposer, tree: str | None = None, config: EngineConfig | None = None) -> Engine:

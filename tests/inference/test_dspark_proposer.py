@@ -103,3 +103,15 @@ def test_tree_children_are_expanded_with_their_parents_bias(tiny_target):
         bias = head.markov_head.markov_w2(head.markov_head.markov_w1(torch.tensor(tree.tokens[node])))
         top = torch.topk(out[1] @ lm.T + bias, 3).indices.tolist()
         assert [tree.tokens[c] for c in kids[node]] == top[: len(kids[node])]
+
+
+def test_the_vllm_dspark_check_drafts_every_position_as_vllm_serves_it(tiny_target):
+    """vLLM verifies all K drafts of a DSpark head unless adaptive verification is on: the check's proposer
+    options (``EXPORTS['vllm-dspark'].proposer_options``) turn the confidence cut off, where our default keeps it."""
+    from draftheads.export.vllm import EXPORTS
+    from draftheads.inference.build import make_proposer
+    from draftheads.inference.proposers.dspark import DEFAULT_MIN_SURVIVAL
+
+    head = random_heads(tiny_target.model)["dspark"]
+    assert make_proposer(tiny_target, head=head).min_survival == DEFAULT_MIN_SURVIVAL > 0
+    assert make_proposer(tiny_target, head=head, options=EXPORTS["vllm-dspark"].proposer_options).min_survival == 0.0

@@ -26,3 +26,47 @@ def test_the_table_names_the_head_each_format_was_checked_with():
            "formats": {"vllm-eagle3": _row(2.0, 1.9)}}
     row = next(line for line in mod.markdown(res).splitlines() if line.startswith("| vllm-eagle3"))
     assert row.startswith("| vllm-eagle3 | draftheads/data/heads/smollm2-135m-eagle3 | 2.000 | 1.900 | -5.0 % |")
+
+
+def _vllm_env(mod, monkeypatch, tmp_path, fmt):
+    """The environment ``run_vllm`` starts vLLM with for ``fmt`` (subprocess replaced)."""
+    import json
+    import subprocess
+
+    seen = {}
+
+    def fake_run(cmd, env, **kw):
+        seen.update(env)
+        (tmp_path / "out.json").write_text(json.dumps({"rows": []}))
+        return subprocess.CompletedProcess(cmd, 0, stdout="")
+
+    monkeypatch.setattr(mod.subprocess, "run", fake_run)
+    for k in mod.V2_ON_CPU_ENV:  # the suite runs with TRITON_INTERPRET=1
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(mod.torch.cuda, "is_available", lambda: False)
+    draft = tmp_path / "draft"
+    draft.mkdir(exist_ok=True)
+    (draft / "config.json").write_text("{}")
+    mod.run_vllm("python", tmp_path, tmp_path / "p.json", 8, tmp_path / "out.json", fmt, draft if fmt else None)
+    return seen
+
+
+def test_dspark_runs_on_vllms_v2_runner_with_triton_interpreted_on_cpu(monkeypatch, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    mod = _script()
+    dspark = _vllm_env(mod, monkeypatch, tmp_path, "vllm-dspark")
+    assert {k: dspark[k] for k in mod.V2_ON_CPU_ENV} == mod.V2_ON_CPU_ENV
+    assert dspark["PYTHONPATH"].split(os.pathsep)[0] == str(mod.V2_ON_CPU_PATH)
+    for fmt in ("vllm-dflash", None):  # the V1 runner, as vLLM chooses
+        assert not set(mod.V2_ON_CPU_ENV) & set(_vllm_env(mod, monkeypatch, tmp_path, fmt))
+    monkeypatch.undo()  # subprocess.run again
+    # the shim names the interpreter as Triton's CPU backend, only when both variables are set
+    probe = "from triton.backends import backends; print('cpu' in backends)"
+    for extra, want in ((mod.V2_ON_CPU_ENV, "True"), ({"TRITON_INTERPRET": "1"}, "False")):
+        env = {k: v for k, v in os.environ.items() if k not in mod.V2_ON_CPU_ENV}
+        env.update(extra, PYTHONPATH=str(mod.V2_ON_CPU_PATH))
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want
