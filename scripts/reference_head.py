@@ -191,6 +191,39 @@ def distill_prompts(data: Path) -> list[str]:
 
 SLIM = ("train.jsonl", "train.jsonl.partial")
 """Distilled records the store keeps without their turns, which the prompts they answer hold."""
+PART_BYTES = 4 << 20
+"""The store keeps a file over this size in parts of at most this size (``NAME.part1``, ``NAME.part2``, ...),
+cut at line ends, so that no file it commits to git is a large one."""
+
+
+def store_parts(dst: Path) -> list[Path]:
+    """The parts ``dst`` is kept in: itself, or ``dst.part1``, ``dst.part2``, ... (in order)."""
+    parts = []
+    while (part := dst.with_name(f"{dst.name}.part{len(parts) + 1}")).is_file():
+        parts.append(part)
+    return parts or [dst]
+
+
+def write_parts(dst: Path, data: bytes) -> None:
+    """``data`` at ``dst``, or over ``PART_BYTES`` in parts cut at line ends. The stored files only grow, so a
+    rewrite changes the last part and adds new ones; the parts and the whole file of the other form go."""
+    chunks, start = [], 0
+    while start < len(data):
+        end = len(data) if len(data) - start <= PART_BYTES else data.rfind(b"\n", start, start + PART_BYTES) + 1
+        end = end if end > start else (data.find(b"\n", start) + 1 or len(data))  # a longer line stays whole
+        chunks.append(data[start:end])
+        start = end
+    old = store_parts(dst)
+    names = [dst] if len(chunks) <= 1 else [dst.with_name(f"{dst.name}.part{i}") for i in range(1, len(chunks) + 1)]
+    for name, chunk in zip(names, chunks or [b""]):
+        atomic_write_bytes(name, chunk)
+    for stale in set(old) - set(names):
+        stale.unlink(missing_ok=True)
+
+
+def read_parts(src: Path) -> bytes:
+    """What :func:`write_parts` wrote at ``src``."""
+    return b"".join(p.read_bytes() for p in store_parts(src))
 
 
 def without_turns(records: list[dict]) -> bytes:
@@ -225,9 +258,10 @@ class DataStore:
         return [name + beside, name] if finished else [name + ".partial.json", name + ".partial"]
 
     def holds(self, where: Path, stage: str) -> bool | None:
-        """True: finished, False: partly made, None: nothing of ``stage`` under ``where``."""
+        """True: finished, False: partly made, None: nothing of ``stage`` under ``where`` (the run's data or
+        the store, whose files may be in parts)."""
         for finished in (True, False):
-            if all((where / f).is_file() for f in self.files(stage, finished)):
+            if all(store_parts(where / f)[0].is_file() for f in self.files(stage, finished)):
                 return finished
         return None
 
@@ -236,7 +270,7 @@ class DataStore:
         if self._copied.get(dst) == (st.st_size, st.st_mtime_ns) and dst.is_file():
             return
         # a growing file's torn last line is left out
-        atomic_write_bytes(dst, without_turns(read_jsonl_prefix(src)) if dst.name in SLIM else src.read_bytes())
+        write_parts(dst, without_turns(read_jsonl_prefix(src)) if dst.name in SLIM else src.read_bytes())
         self._copied[dst] = (st.st_size, st.st_mtime_ns)
 
     def save(self, times: dict) -> None:
@@ -255,7 +289,8 @@ class DataStore:
                 # the other kind goes: a finished file replaces the partial one it was, and a partial one is an
                 # extension (--extend reopens the finished file as the partial one), holding all of it
                 for f in self.files(stage, not finished):
-                    (self.root / f).unlink(missing_ok=True)
+                    for part in store_parts(self.root / f):
+                        part.unlink(missing_ok=True)
                 kept[stage] = {"finished": finished, "machines": times.get("machines", {}).get(stage, []),
                                "seconds": times.get(stage) if finished else times.get("running", {}).get(stage)}
             if kept:
@@ -270,9 +305,9 @@ class DataStore:
                 continue
             self.data.mkdir(parents=True, exist_ok=True)
             for f in self.files(stage, finished):
-                src = self.root / f
-                atomic_write_bytes(self.data / f, with_turns(read_jsonl_prefix(src), self._prompts()) if f in SLIM
-                                   else src.read_bytes())
+                stored = read_parts(self.root / f)
+                atomic_write_bytes(self.data / f, with_turns([json.loads(x) for x in stored.splitlines() if x.strip()], self._prompts()) if f in SLIM
+                                   else stored)
             t = times.get(stage, {})
             if t.get("seconds") is not None:
                 (run.times if finished else run.times.setdefault("running", {}))[stage] = t["seconds"]
@@ -295,7 +330,8 @@ class DataStore:
     def drop(self, stage: str) -> None:
         """Forget a stage that is made again (so that no later run is seeded with the old output)."""
         for f in self.files(stage, True) + self.files(stage, False):
-            (self.root / f).unlink(missing_ok=True)
+            for part in store_parts(self.root / f):
+                part.unlink(missing_ok=True)
 
 
 def plain_decode_rate(tokens: int = 64) -> float:

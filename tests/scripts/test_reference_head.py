@@ -237,6 +237,35 @@ def test_the_store_keeps_distilled_records_without_the_turns_their_prompts_hold(
     assert (tmp_path / "b/data/train.jsonl.partial").read_text() == text
 
 
+def test_the_store_keeps_a_large_file_in_parts_cut_at_line_ends(tmp_path, monkeypatch):
+    mod = _script()
+    monkeypatch.setattr(mod, "PART_BYTES", 100)
+    data = tmp_path / "a/data"
+    data.mkdir(parents=True)
+    lines = [f'{{"id": "syn-{i:03d}", "domain": "qa", "turns": ["{"why " * (i % 5)}?"]}}\n' for i in range(12)]
+    (data / "synth.jsonl.partial.json").write_text("{}")
+    (data / "synth.jsonl.partial").write_text("".join(lines[:6]))
+    store = mod.DataStore(tmp_path / "store", data)
+    store.save({})
+    (data / "synth.jsonl.partial").rename(data / "synth.jsonl")  # finished, grown
+    (data / "synth.jsonl.partial.json").rename(data / "synth.jsonl.stats.json")
+    (data / "synth.jsonl").write_text("".join(lines))
+    store.save({})
+    names = sorted(p.name for p in store.root.iterdir())
+    parts = [store.root / n for n in names if n.startswith("synth.jsonl.part")]
+    assert len(parts) > 2 and "synth.jsonl" not in names and not any("partial" in n for n in names)
+    assert all(len(p.read_bytes()) <= 100 and p.read_text().endswith("\n") for p in parts)
+    assert mod.DataStore(store.root, tmp_path / "b/data").holds(store.root, "synthesize") is True
+    mod.DataStore(store.root, tmp_path / "b/data").seed(mod.Run(tmp_path / "b"))
+    assert (tmp_path / "b/data/synth.jsonl").read_text() == "".join(lines)
+    monkeypatch.setattr(mod, "PART_BYTES", 1 << 20)  # small again: one file, no parts left
+    store.save({})
+    assert (store.root / "synth.jsonl").read_text() == "".join(lines)
+    assert not list(store.root.glob("synth.jsonl.part*"))
+    store.drop("synthesize")
+    assert not list(store.root.glob("synth.jsonl*"))
+
+
 def test_the_card_counts_the_conversations_packed_in_every_row_of_every_shard(tmp_path):
     import json
 
