@@ -226,6 +226,12 @@ def read_parts(src: Path) -> bytes:
     return b"".join(p.read_bytes() for p in store_parts(src))
 
 
+def remove_parts(dst: Path) -> None:
+    """What :func:`write_parts` wrote at ``dst`` removed (nothing if it is not there)."""
+    for part in store_parts(dst):
+        part.unlink(missing_ok=True)
+
+
 def without_turns(records: list[dict]) -> bytes:
     """Distilled records as jsonl, each without its turns."""
     return "".join(json.dumps({k: v for k, v in r.items() if k != "turns"}) + "\n" for r in records).encode()
@@ -289,8 +295,7 @@ class DataStore:
                 # the other kind goes: a finished file replaces the partial one it was, and a partial one is an
                 # extension (--extend reopens the finished file as the partial one), holding all of it
                 for f in self.files(stage, not finished):
-                    for part in store_parts(self.root / f):
-                        part.unlink(missing_ok=True)
+                    remove_parts(self.root / f)
                 kept[stage] = {"finished": finished, "machines": times.get("machines", {}).get(stage, []),
                                "seconds": times.get(stage) if finished else times.get("running", {}).get(stage)}
             if kept:
@@ -306,8 +311,10 @@ class DataStore:
             self.data.mkdir(parents=True, exist_ok=True)
             for f in self.files(stage, finished):
                 stored = read_parts(self.root / f)
-                atomic_write_bytes(self.data / f, with_turns([json.loads(x) for x in stored.splitlines() if x.strip()], self._prompts()) if f in SLIM
-                                   else stored)
+                if f in SLIM:  # whole lines only: the store never keeps a torn one
+                    stored = with_turns([json.loads(line) for line in stored.splitlines() if line.strip()],
+                                        self._prompts())
+                atomic_write_bytes(self.data / f, stored)
             t = times.get(stage, {})
             if t.get("seconds") is not None:
                 (run.times if finished else run.times.setdefault("running", {}))[stage] = t["seconds"]
@@ -330,8 +337,7 @@ class DataStore:
     def drop(self, stage: str) -> None:
         """Forget a stage that is made again (so that no later run is seeded with the old output)."""
         for f in self.files(stage, True) + self.files(stage, False):
-            for part in store_parts(self.root / f):
-                part.unlink(missing_ok=True)
+            remove_parts(self.root / f)
 
 
 def plain_decode_rate(tokens: int = 64) -> float:

@@ -34,8 +34,9 @@ from draftheads.targets import check_layer_ids, hidden_states
 from draftheads.training.data import collate, doc_causal_mask
 from draftheads.utils import atomic_write_json, check_output_dir, exclusive, publish_dir, safetensors_shapes
 
-ROW_KEYS = ("input_ids", "loss_mask", "position_ids", "doc_ids")
 log = logging.getLogger(__name__)
+
+ROW_KEYS = ("input_ids", "loss_mask", "position_ids", "doc_ids")
 INDEX_VERSION = 2
 
 
