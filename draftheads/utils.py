@@ -30,6 +30,11 @@ def shown_from(path: str | os.PathLike, root: Path) -> Path:
     return full.relative_to(root) if full.is_relative_to(root) else Path(path)
 
 
+def stable_int(text: str) -> int:
+    """A 32-bit integer from ``text`` that is the same in every process and on every machine."""
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:4], "little")
+
+
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -30,7 +30,7 @@ import torch
 
 from draftheads.errors import DraftheadsError
 from draftheads.prompts import render_chat
-from draftheads.utils import cache_dir, file_sha256, read_utf8
+from draftheads.utils import cache_dir, file_sha256, read_utf8, stable_int
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,25 @@ def record_to_messages(obj: dict, where: str) -> list[dict] | str:
     )
 
 
-def read_records(path: str | os.PathLike) -> list[list[dict] | str]:
+def split_of(key: str, val_fraction: float, seed: int) -> str:
+    """``val`` for a stable ``val_fraction`` of conversation keys, else ``train``: a key keeps its split
+    whatever else the data holds, so a grown dataset never moves a trained conversation into validation."""
+    return "val" if stable_int(f"{seed}:{key}") % 100_000 < val_fraction * 100_000 else "train"
+
+
+def record_key(obj: dict, messages: list[dict] | str) -> str:
+    """What decides a conversation's split: its ``id`` where it has one (the prompt id ``distill`` writes,
+    so its own feature capture splits alike), else its prompt (every turn before the first answer) or text."""
+    if isinstance(obj.get("id"), (str, int)):
+        return str(obj["id"])
+    if isinstance(messages, str):
+        return messages
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    return json.dumps([[m["role"], m["content"]] for m in messages[:first]], ensure_ascii=False)
+
+
+def read_records(path: str | os.PathLike) -> list[tuple[str, list[dict] | str]]:
+    """(:func:`record_key`, conversation) for each record of a jsonl file."""
     path = Path(path)
     if not path.is_file():
         raise DraftheadsError(f"training file {str(path)!r} does not exist: check data.train_files")
@@ -96,7 +114,8 @@ def read_records(path: str | os.PathLike) -> list[list[dict] | str]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DraftheadsError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            out.append(record_to_messages(obj, f"{path}:{n}"))
+            messages = record_to_messages(obj, f"{path}:{n}")
+            out.append((record_key(obj, messages), messages))
     if not out:
         raise DraftheadsError(f"training file {str(path)!r} is empty: it needs one conversation per line")
     return out
@@ -248,7 +267,9 @@ def build_dataset(
     cache: bool = True,
     tokenizer_key: str = "",
 ):
-    """Tokenise, split (by conversation) and pack; returns (train, val) ``datasets.Dataset`` and stats.
+    """Tokenise, split (by conversation, :func:`split_of` of each :func:`record_key`) and pack; returns
+    (train, val) ``datasets.Dataset`` and stats. At least one conversation is held out when ``val_fraction``
+    is above 0 and there are two or more.
 
     Results are cached as Arrow under ``$XDG_CACHE_HOME/draftheads/data/<key>``.
     """
@@ -262,7 +283,7 @@ def build_dataset(
         "files": [file_sha256(f) if os.path.isfile(f) else str(f) for f in files],
         "tok": tokenizer_key or getattr(tokenizer, "name_or_path", ""), "vocab": len(tokenizer),
         "tpl": hashlib.sha256((getattr(tokenizer, "chat_template", "") or "").encode()).hexdigest(),
-        "max_length": max_length, "packed": packed, "val": val_fraction, "seed": seed, "v": 2,
+        "max_length": max_length, "packed": packed, "val": val_fraction, "seed": seed, "v": 3,
     }, sort_keys=True)
     key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
     where = cache_dir() / "data" / key
@@ -270,12 +291,14 @@ def build_dataset(
         stats = json.loads((where / "stats.json").read_text())
         return datasets.load_from_disk(str(where / "train")), datasets.load_from_disk(str(where / "val")), stats
 
-    records = [r for f in files for r in read_records(f)]
+    keyed = [r for f in files for r in read_records(f)]
+    records = [messages for _, messages in keyed]
+    val_idx = {i for i, (key, _) in enumerate(keyed) if split_of(key, val_fraction, seed) == "val"}
+    if not val_idx and val_fraction > 0 and len({key for key, _ in keyed}) >= 2:
+        first = min(keyed, key=lambda r: stable_int(f"{seed}:{r[0]}"))[0]
+        val_idx = {i for i, (key, _) in enumerate(keyed) if key == first}
     order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed)).tolist()
-    n_val = int(round(len(records) * val_fraction))
-    if val_fraction > 0 and len(records) >= 2:
-        n_val = max(n_val, 1)
-    val_idx, train_idx = set(order[:n_val]), order[n_val:]
+    train_idx = [i for i in order if i not in val_idx]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     tagged = has_generation_tags(tokenizer)
 

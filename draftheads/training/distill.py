@@ -34,6 +34,7 @@ from draftheads.inference.batching import Conversation, Finished
 from draftheads.inference.sampling import SamplingParams
 from draftheads.prompts import Prompt, check_unique_ids, encode_chat, render_chat
 from draftheads.targets import check_layer_ids, text_config
+from draftheads.training.data import split_of
 from draftheads.utils import (
     atomic_write_json,
     atomic_write_text,
@@ -43,6 +44,7 @@ from draftheads.utils import (
     partial_paths,
     read_jsonl_prefix,
     refuse_changed_settings,
+    stable_int,
 )
 
 _SENTINEL = "\u2063draftheads-answer\u2063"
@@ -70,15 +72,6 @@ def turn_segments(tokenizer, turns, eos_ids, name: str = "target") -> list[list[
         at, closer = max(found)
         segs.append(tokenizer(text[at + len(_SENTINEL + closer):], add_special_tokens=False).input_ids)
     return segs
-
-
-def _stable_int(text: str) -> int:
-    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:4], "little")
-
-
-def split_of(prompt_id: str, val_fraction: float, seed: int) -> str:
-    """``val`` for a stable ``val_fraction`` of prompt ids, else ``train``."""
-    return "val" if _stable_int(f"{seed}:{prompt_id}") % 100_000 < val_fraction * 100_000 else "train"
 
 
 def _prompts_digest(prompts: list[Prompt]) -> str:
@@ -186,7 +179,7 @@ def _distill(backend, tok, name, dtype, engine, prompts, out: Path, max_new_toke
         for p in todo:
             segs = turn_segments(tok, p.turns, eos, name)
             sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                                seed=(seed + _stable_int(p.id)) % (1 << 31))
+                                seed=(seed + stable_int(p.id)) % (1 << 31))
             yield Conversation(p.id, segs, sp)
 
     waiting: dict[str, dict] = {}

@@ -11,6 +11,9 @@ from draftheads.training.data import (
     collate,
     doc_causal_mask,
     pack,
+    record_key,
+    record_to_messages,
+    split_of,
     tokenize_conversation,
 )
 
@@ -119,10 +122,39 @@ def test_build_dataset_forms_split_and_cache(tok, tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     train, val, stats = build_dataset(tok, [str(f)], max_length=64, val_fraction=0.2)
-    assert stats["train"]["samples"] + stats["val"]["samples"] == 13 and stats["val"]["samples"] == 3
+    held = sum(split_of(record_key(r, record_to_messages(r, "")), 0.2, 0) == "val" for r in rows)
+    assert stats["train"]["samples"] + stats["val"]["samples"] == 13 and stats["val"]["samples"] == max(held, 1)
     assert stats["masking"] == "generation tags"
     again = build_dataset(tok, [str(f)], max_length=64, val_fraction=0.2)
     assert again[2] == stats and len(again[0]) == len(train)
+
+
+def _answers(rows, tok) -> set[str]:
+    return {span for r in rows for span in _spans(r["input_ids"], r["loss_mask"], tok)}
+
+
+def test_the_split_holds_each_conversation_where_it_was_as_the_data_grows(tok, tmp_path):
+    def conv(i, **extra):
+        return {"messages": [{"role": "user", "content": f"question {i}"},
+                             {"role": "assistant", "content": f"reply {i}"}], **extra}
+
+    def split(rows, name):
+        f = tmp_path / name
+        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        train, val, _ = build_dataset(tok, [str(f)], 128, False, 0.25, 0, cache=False)
+        return _answers(train, tok), _answers(val, tok)
+
+    small = [conv(i) for i in range(40)]
+    train, val = split(small, "small.jsonl")
+    assert len(val) >= 4 and len(train) >= 20 and not train & val
+    grown_train, grown_val = split(small + [conv(i) for i in range(40, 120)], "grown.jsonl")
+    assert train <= grown_train and val <= grown_val  # what trained a head before stays out of validation
+    assert len(grown_val) > len(val)
+    # a conversation's key is its id where it has one (distill's prompt id), else its prompt, never its answer
+    assert record_key({"id": "math-7"}, []) == "math-7"
+    again = conv(3)
+    again["messages"][1]["content"] = "another reply"
+    assert record_key(again, again["messages"]) == record_key(conv(3), conv(3)["messages"])
 
 
 def test_zero_assistant_tokens_and_missing_answers(tok, tmp_path):

@@ -5,8 +5,8 @@ import torch
 
 from draftheads.errors import DraftheadsError
 from draftheads.prompts import Prompt
-from draftheads.training.data import build_dataset
-from draftheads.training.distill import distill, split_of, turn_segments
+from draftheads.training.data import build_dataset, split_of
+from draftheads.training.distill import distill, turn_segments
 from draftheads.training.features import FeatureDataset, collate_features
 
 PROMPTS = [Prompt(f"p{i}", "chat", (f"question number {i}?",)) for i in range(7)] + [
@@ -48,6 +48,9 @@ def test_distill_writes_records_and_features_of_the_same_pass(tiny_target, tmp_p
     # the text records train too, with the truncation mark respected
     train, val, stats = build_dataset(tiny_target.tokenizer, [str(out)], max_length=256, val_fraction=0.0, cache=False)
     assert stats["train"]["samples"] == len(PROMPTS)
+    # and split as the same pass split its features: by prompt id
+    train, val, stats = build_dataset(tiny_target.tokenizer, [str(out)], max_length=256, val_fraction=0.3, cache=False)
+    assert (stats["train"]["samples"], stats["val"]["samples"]) == (len(keys["train"]), len(keys["val"]))
 
 
 def test_truncated_answers_get_no_end_of_turn_token(tiny_target, tmp_path):
