@@ -196,7 +196,7 @@ def cache_features(data: list[str], out: str, target: TargetOptions, layers: str
         out: the feature cache directory
         layers: eagle3 | eagle | medusa | comma list of HF hidden-state ids
         max_length: tokens per training row
-        val_fraction: rows held out as the val split
+        val_fraction: conversations held out as the val split (1: all, a set to validate heads on)
         seed: seed of the train/val split
         pack: pack short conversations into full rows
         batch_size: rows per target forward
@@ -206,6 +206,8 @@ def cache_features(data: list[str], out: str, target: TargetOptions, layers: str
     from draftheads.training.features import CACHE_FILES, write_feature_cache
     from draftheads.utils import check_output_dir
 
+    if not 0 <= val_fraction <= 1:
+        raise DraftheadsError(f"--val-fraction {val_fraction} must be in [0, 1] (1: all of it for validation)")
     check_output_dir(out, "cache-features", overwrite=overwrite, inputs=data, names=CACHE_FILES)
     model = target.load()
     train, val, stats = build_dataset(model.tokenizer, data, max_length, pack, val_fraction, seed,

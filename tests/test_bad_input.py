@@ -349,6 +349,7 @@ TRAIN_CASES = [
      "model.head_dir"),
     ("data-missing", lambda t, d: ["--data.train_files", "[/nonexistent.jsonl]"], "does not exist"),
     ("data-empty", lambda t, d: ["--data.train_files", f"[{_file(d, 'e.jsonl', b'')}]"], "is empty"),
+    ("data-all-val", lambda t, d: ["--data.val_fraction", "1"], "no training rows"),
     ("cache-other-target", lambda t, d: ["--data.feature_dir", str(_feats_copy(t, d, _retarget))], "another/model"),
     ("cache-missing-shard", lambda t, d: ["--data.feature_dir", str(_feats_copy(t, d, _drop_shard))], "lacks shard"),
     ("cache-truncated-shard", lambda t, d: ["--data.feature_dir", str(_feats_copy(t, d, _truncate_shard))],

@@ -257,6 +257,15 @@ def answer_window(loss_mask: torch.Tensor, doc_ids: torch.Tensor, n: int) -> tor
 # ----------------------------------------------------------------------------- building a dataset
 
 
+def _dataset(rows: list[dict]):
+    """Packed rows as a ``datasets.Dataset`` (the row columns even when there are none)."""
+    import datasets
+
+    if rows:
+        return datasets.Dataset.from_list(rows)
+    return datasets.Dataset.from_dict({"input_ids": [], "loss_mask": [], "position_ids": [], "doc_ids": []})
+
+
 def build_dataset(
     tokenizer,
     files,
@@ -269,7 +278,8 @@ def build_dataset(
 ):
     """Tokenise, split (by conversation, :func:`split_of` of each :func:`record_key`) and pack; returns
     (train, val) ``datasets.Dataset`` and stats. At least one conversation is held out when ``val_fraction``
-    is above 0 and there are two or more.
+    is above 0 and there are two or more; ``val_fraction`` 1 holds out all of them (a held-out set to
+    validate heads on, e.g. ``cache-features --val-fraction 1``).
 
     Results are cached as Arrow under ``$XDG_CACHE_HOME/draftheads/data/<key>``.
     """
@@ -277,8 +287,8 @@ def build_dataset(
 
     if not files:
         raise DraftheadsError("data.train_files is empty: give at least one jsonl file")
-    if not 0 <= val_fraction < 1:
-        raise DraftheadsError(f"data.val_fraction={val_fraction} must be in [0, 1)")
+    if not 0 <= val_fraction <= 1:
+        raise DraftheadsError(f"data.val_fraction={val_fraction} must be in [0, 1] (1: all of it for validation)")
     key_src = json.dumps({
         "files": [file_sha256(f) if os.path.isfile(f) else str(f) for f in files],
         "tok": tokenizer_key or getattr(tokenizer, "name_or_path", ""), "vocab": len(tokenizer),
@@ -289,7 +299,9 @@ def build_dataset(
     where = cache_dir() / "data" / key
     if cache and (where / "stats.json").is_file():
         stats = json.loads((where / "stats.json").read_text())
-        return datasets.load_from_disk(str(where / "train")), datasets.load_from_disk(str(where / "val")), stats
+        train, val = (datasets.load_from_disk(str(where / s)) if (where / s).is_dir() else _dataset([])
+                      for s in ("train", "val"))
+        return train, val, stats
 
     keyed = [r for f in files for r in read_records(f)]
     records = [messages for _, messages in keyed]
@@ -307,7 +319,7 @@ def build_dataset(
 
     train_rows, train_stats = rows_of(train_idx)
     val_rows, val_stats = rows_of(sorted(val_idx))
-    if train_stats.assistant_tokens == 0:
+    if train_stats.assistant_tokens + val_stats.assistant_tokens == 0:
         raise DraftheadsError(
             f"training data {list(map(str, files))} has zero assistant tokens after masking: "
             "check that conversations contain assistant turns (or use 'text' records)"
@@ -315,14 +327,13 @@ def build_dataset(
     stats = {"train": train_stats.__dict__, "val": val_stats.__dict__, "masking": "generation tags" if tagged else "prefix rendering"}
     if train_stats.truncated or val_stats.truncated:
         log.warning("%d samples longer than max_length=%d were truncated", train_stats.truncated + val_stats.truncated, max_length)
-    empty = {"input_ids": [], "loss_mask": [], "position_ids": [], "doc_ids": []}
-    train = datasets.Dataset.from_list(train_rows) if train_rows else datasets.Dataset.from_dict(empty)
-    val = datasets.Dataset.from_list(val_rows) if val_rows else datasets.Dataset.from_dict(empty)
+    train, val = _dataset(train_rows), _dataset(val_rows)
     if cache:
         from draftheads.utils import atomic_dir
 
         with atomic_dir(where, "dataset cache", overwrite=True) as tmp:
-            train.save_to_disk(str(tmp / "train"))
-            val.save_to_disk(str(tmp / "val"))
+            for name, split in (("train", train), ("val", val)):
+                if len(split):  # datasets cannot load back a split of no rows: its absence stands for one
+                    split.save_to_disk(str(tmp / name))
             (tmp / "stats.json").write_text(json.dumps(stats))
     return train, val, stats

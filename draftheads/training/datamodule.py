@@ -89,8 +89,14 @@ class ChatDataModule(L.LightningDataModule):
             self._build()  # fills the Arrow cache once, on rank 0
 
     def setup(self, stage=None):
-        if self.train_set is not None:
-            return
+        if self.train_set is None:
+            self._load()
+        if stage == "fit" and len(self.train_set) == 0:
+            where = f"data.feature_dir {self.hparams.feature_dir}" if self.hparams.feature_dir else "data.train_files"
+            raise DraftheadsError(f"{where} has no training rows (all of it is the val split): train on data with "
+                                  "a train split (data.val_fraction below 1), or use it with `train-head validate`")
+
+    def _load(self):
         if self.hparams.feature_dir:
             self.train_set = FeatureDataset(self.hparams.feature_dir, "train", target=self.hparams.target)
             self.val_set = FeatureDataset(self.hparams.feature_dir, "val", target=self.hparams.target)
@@ -99,7 +105,7 @@ class ChatDataModule(L.LightningDataModule):
             train, val, self.stats = self._build()
             self.train_set, self.val_set = train, val
             self._collate = collate
-        if self.hparams.train_fraction < 1:
+        if self.hparams.train_fraction < 1 and len(self.train_set):
             n = len(self.train_set)
             keep = max(1, int(round(n * self.hparams.train_fraction)))
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.hparams.seed)).tolist()

@@ -86,8 +86,8 @@ def check_distill(prompts: list[Prompt], out, batch_size: int, features, feature
     """The arguments of :func:`distill` that need no target, checked before it is loaded."""
     if batch_size < 1:
         raise DraftheadsError(f"--batch-size {batch_size} must be >= 1")
-    if not 0 <= val_fraction < 1:
-        raise DraftheadsError(f"--val-fraction {val_fraction} must be in [0, 1)")
+    if not 0 <= val_fraction <= 1:
+        raise DraftheadsError(f"--val-fraction {val_fraction} must be in [0, 1] (1: all of it for validation)")
     if not prompts:
         raise DraftheadsError("no prompts to distill: check --prompts and --domains")
     check_unique_ids(prompts)

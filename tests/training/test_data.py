@@ -157,6 +157,18 @@ def test_the_split_holds_each_conversation_where_it_was_as_the_data_grows(tok, t
     assert record_key(again, again["messages"]) == record_key(conv(3), conv(3)["messages"])
 
 
+@pytest.mark.parametrize("val_fraction", [0.0, 1.0])
+def test_a_split_of_no_rows_comes_back_from_the_cache(tok, tmp_path, val_fraction):
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                  {"role": "assistant", "content": f"a {i}"}]}) + "\n" for i in range(5)))
+    made = build_dataset(tok, [str(f)], 64, True, val_fraction, 0)
+    again = build_dataset(tok, [str(f)], 64, True, val_fraction, 0)  # from the cache
+    assert [len(s) for s in again[:2]] == [len(s) for s in made[:2]]
+    assert (len(made[0]) == 0) == (val_fraction == 1.0) and (len(made[1]) == 0) == (val_fraction == 0.0)
+    assert list(again[1 if val_fraction == 1.0 else 0][0]) == list(made[1 if val_fraction == 1.0 else 0][0])
+
+
 def test_zero_assistant_tokens_and_missing_answers(tok, tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text(json.dumps({"messages": [{"role": "user", "content": "only a question"}]}) + "\n")
@@ -179,6 +191,15 @@ def _cache_features(target_dir, tmp_path, conversations: int, layers: str, val_f
     assert cli(["cache-features", "--target", str(target_dir), "--data", str(f), "--layers", layers,
                 "--max-length", "32", "--val-fraction", val_fraction, "--out", str(out)]) == 0
     return out
+
+
+def test_cache_features_of_a_held_out_set_is_all_val(tiny_llama_dir, tmp_path):
+    from draftheads.training.features import FeatureDataset
+
+    out = _cache_features(tiny_llama_dir, tmp_path, 6, "1,2", "1")
+    assert len(FeatureDataset(out, "train")) == 0
+    val = FeatureDataset(out, "val")
+    assert sum(int(val[i]["loss_mask"].sum()) for i in range(len(val))) > 0
 
 
 def test_offline_features_equal_online(tiny_llama_dir, tmp_path):
