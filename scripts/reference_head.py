@@ -370,13 +370,16 @@ def train_config(run: Path, name: str, args, fraction: float = 1.0,
                  base: str = "configs/smollm2-eagle3-reference.yaml", epochs: int | None = None,
                  init_head: Path | None = None, trainer: dict | None = None) -> Path:
     """``base`` (a reference config) with its paths under ``run/name``, ``epochs`` (default ``--epochs``),
-    ``--precision``, ``trainer`` overrides and, given ``init_head``, training on from that head."""
+    ``--precision``, ``trainer`` overrides and, given ``init_head``, training on from that head (peak learning rate
+    ``--restart-lr`` where given)."""
     from draftheads.training.cli import config_under, save_config
 
     epochs = epochs or args.epochs
     trainer = {"precision": args.precision, **({"max_epochs": epochs} if epochs else {}), **(trainer or {})}
-    cfg = config_under(ROOT / base, run / name, run / "features", trainer=trainer,
-                       model={"init_head": str(init_head)} if init_head else None,
+    model = None
+    if init_head:
+        model = {"init_head": str(init_head), **({"lr": args.restart_lr} if args.restart_lr else {})}
+    cfg = config_under(ROOT / base, run / name, run / "features", trainer=trainer, model=model,
                        data={"train_fraction": fraction} if fraction < 1 else None)
     return save_config(cfg, run / name / "train.yaml", f"{base} by scripts/reference_head.py")
 
@@ -458,6 +461,9 @@ def main() -> int:
     p.add_argument("--init-head", default=None,
                    help="start the first fit from this head (a directory, or reference: the shipped head) instead "
                         "of a new one: a warm restart with a fresh schedule")
+    p.add_argument("--restart-lr", type=float, default=None,
+                   help="peak learning rate of every fit that starts from a trained head (--init-head, extension "
+                        "rounds); default: the config's. A lower one keeps more of what the head has learnt")
     p.add_argument("--data-store", default=None,
                    help="keep the synthesized prompts and distilled answers here as they grow, and start a run "
                         "that lacks them from here (a directory that outlives the run's: committed or mounted)")

@@ -426,3 +426,20 @@ def test_a_stage_in_only_counts_as_made_for_the_stages_after_it():
     assert mod.unmet_need(frozenset({"extend", "eval"}), "extend", lambda n: False) == ("extend", "train")
     assert mod.unmet_need(frozenset({"train", "extend", "eval"}), "extend", lambda n: n == "features") is None
     assert mod.unmet_need(frozenset({"eval"}), "train", lambda n: n == "train") is None
+
+
+def test_a_warm_restart_takes_restart_lr_and_a_new_head_the_configs(tmp_path):
+    import yaml
+
+    mod = _script()
+    base = yaml.safe_load((mod.ROOT / "configs/smollm2-eagle3-reference.yaml").read_text())["model"]["init_args"]["lr"]
+
+    def model(args, init):
+        cfg = mod.train_config(tmp_path, "main", args, init_head=init)
+        return yaml.safe_load(cfg.read_text())["model"]["init_args"]
+
+    args = Namespace(epochs=1, precision="32", restart_lr=3e-4)
+    restarted = model(args, tmp_path / "shipped")
+    assert restarted["lr"] == 3e-4 and restarted["init_head"] == str(tmp_path / "shipped")
+    assert model(args, None)["lr"] == base and "init_head" not in model(args, None)
+    assert model(Namespace(epochs=1, precision="32", restart_lr=None), tmp_path / "shipped")["lr"] == base
