@@ -464,6 +464,10 @@ def main() -> int:
     p.add_argument("--restart-lr", type=float, default=None,
                    help="peak learning rate of every fit that starts from a trained head (--init-head, extension "
                         "rounds); default: the config's. A lower one keeps more of what the head has learnt")
+    p.add_argument("--from-answer", type=int, default=0,
+                   help="cache features for, and train and validate on, the distilled answers from this one on (0-based, "
+                        "in the order distill wrote them): e.g. with --init-head, only those its head has not seen "
+                        "(the shipped head: the first 4528)")
     p.add_argument("--data-store", default=None,
                    help="keep the synthesized prompts and distilled answers here as they grow, and start a run "
                         "that lacks them from here (a directory that outlives the run's: committed or mounted)")
@@ -496,6 +500,10 @@ def main() -> int:
             shutil.rmtree(d)
         rounds_made = rounds_made[:stale]
     scaling = root / "scaling"
+    answers = sliced_answers(data, args.from_answer)
+    if features.exists() and features_from(root) != args.from_answer:
+        run.say(f"features: cached from answer {features_from(root)} on, not --from-answer {args.from_answer}: made again")
+        redo.add("features")
     outputs = {"synthesize": synth, "distill": data, "features": features, "train": trained, "extend": head,
                "export": export, "eval": evald / "results.json",
                "bench": bench / "results.json", "scaling": scaling / "scaling.json", "package": root / "packaged.json",
@@ -559,9 +567,9 @@ def main() -> int:
         dh, "distill", "--prompts", *distill_prompts(synth.parent), "--max-new-tokens", str(args.max_new_tokens),
         "--batch-size", str(args.batch_size), "--dtype", args.dtype, "--max-seq-len", "1024", *same_pass,
         "--out", str(data), "--extend"]), finished=data.exists() and distilled_all(data, synth))
-    run.stage("features", features / "index.json", lambda: run.cmd("features", [
-        dh, "cache-features", "--data", str(data), "--layers", "eagle3", "--out", str(features), "--max-length",
-        "1024", "--val-fraction", "0.03", "--dtype", args.dtype, "--overwrite"]))
+    run.stage("features", features / "index.json", lambda: (_slice(data, answers, args.from_answer, root), run.cmd(
+        "features", [dh, "cache-features", "--data", str(answers), "--layers", "eagle3", "--out", str(features), "--max-length",
+        "1024", "--val-fraction", "0.03", "--dtype", args.dtype, "--overwrite"])))
     run.stage("train", trained, lambda: _train(run, root, args))
     if rounds:
         run.stage("extend", head, lambda: _extend(run, root, rounds, trained, args), grown=extended[0].exists())
@@ -586,6 +594,30 @@ def main() -> int:
     run.say(f"reference-head: {'stages ' + ','.join(sorted(only, key=STAGES.index)) if only else 'all stages'} done; "
             "stage times " + json.dumps(run.times))
     return 0
+
+
+def sliced_answers(data: Path, start: int) -> Path:
+    """The answers the features stage reads: all of ``data``, or (``start`` > 0) a file of those from ``start`` on."""
+    return data if start == 0 else data.with_name(f"{data.stem}.from{start}.jsonl")
+
+
+def features_from(root: Path) -> int:
+    """The --from-answer the run's feature cache was made with (0 where it has no record of one)."""
+    f = root / "features-from.json"
+    return json.loads(f.read_text())["from_answer"] if f.is_file() else 0
+
+
+def _slice(data: Path, answers: Path, start: int, root: Path) -> None:
+    """Write ``answers`` (the lines of ``data`` from ``start`` on) and record ``start`` for the feature cache."""
+    atomic_write_json(root / "features-from.json", {"from_answer": start})
+    if answers == data:
+        return
+    lines = data.read_bytes().splitlines(keepends=True)
+    if start >= len(lines):
+        sys.exit(f"reference-head: --from-answer {start}: {shown(data)} holds {len(lines)} answers; give a smaller one")
+    tmp = answers.with_name(answers.name + ".tmp")
+    tmp.write_bytes(b"".join(lines[start:]))
+    tmp.replace(answers)
 
 
 def unmet_need(only: frozenset, head_stage: str, finished) -> tuple[str, str] | None:
@@ -835,7 +867,7 @@ def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, args
         "machine_plain_tok_s": run.times.get("plain_tok_s"),
         "stage_seconds": {k: v for k, v in run.times.items() if k not in ("plain_tok_s", "running", "machines")},
         "stage_machines_plain_tok_s": run.times.get("machines", {}),
-        "data": feature_tokens(features),
+        "data": {**feature_tokens(features), "from_answer": args.from_answer},
         "val": {"accuracies": meta.get("val_accuracies"), "sim_tau": meta.get("val_sim_tau"),
                 "draft_vocab_coverage": meta.get("draft_vocab_coverage"),
                 "draft_vocab_size": meta["config"]["draft_vocab_size"]},
@@ -939,7 +971,8 @@ def card_markdown(card: dict, eval_md: str, bench_md: str, scaling_md: str) -> s
         f"(a stage that ran on other machines names their rates): {times}",
         f"- data: {d['train']['conversations']:,} train conversations, {d['train']['answer_tokens']:,} answer tokens "
         f"({d['train']['tokens']:,} with prompts); val {d.get('val', {}).get('conversations', 0):,} conversations, "
-        f"{d.get('val', {}).get('answer_tokens', 0):,} answer tokens; all written by the target itself",
+        f"{d.get('val', {}).get('answer_tokens', 0):,} answer tokens; all written by the target itself"
+        + (f" (the store's answers from number {d['from_answer']:,} on, 0-based)" if d.get("from_answer") else ""),
         f"- validation: top-1 per TTT step {acc}; simulated τ {val['sim_tau'] or 0:.2f}; draft vocabulary "
         f"{val['draft_vocab_size']} tokens covering {100 * (cov.get('train') or 0):.1f}% of train and "
         f"{100 * (cov.get('val') or 0):.1f}% of validation targets", "",

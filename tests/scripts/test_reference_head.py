@@ -443,3 +443,17 @@ def test_a_warm_restart_takes_restart_lr_and_a_new_head_the_configs(tmp_path):
     assert restarted["lr"] == 3e-4 and restarted["init_head"] == str(tmp_path / "shipped")
     assert model(args, None)["lr"] == base and "init_head" not in model(args, None)
     assert model(Namespace(epochs=1, precision="32", restart_lr=None), tmp_path / "shipped")["lr"] == base
+
+
+def test_from_answer_caches_features_for_the_answers_from_that_one_on(tmp_path):
+    mod = _script()
+    data = tmp_path / "data/train.jsonl"
+    data.parent.mkdir()
+    data.write_text("".join(json.dumps({"id": f"p{i}"}) + "\n" for i in range(5)))
+    assert mod.sliced_answers(data, 0) == data and mod.features_from(tmp_path) == 0
+    answers = mod.sliced_answers(data, 3)
+    mod._slice(data, answers, 3, tmp_path)
+    assert [json.loads(x)["id"] for x in answers.read_text().splitlines()] == ["p3", "p4"]
+    assert mod.features_from(tmp_path) == 3  # a rerun with another --from-answer makes the features again
+    with pytest.raises(SystemExit, match="holds 5 answers"):
+        mod._slice(data, mod.sliced_answers(data, 5), 5, tmp_path)
