@@ -138,7 +138,7 @@ def main() -> int:
     rows = [(f"trained now on {answer_tokens(ROOT / features) / 1e3:.1f} k tokens", ROOT / evald)]
     if (ROOT / reference / "results.json").exists():
         card = json.loads((SHIPPED / "card.json").read_text())
-        rows.append((f"reference, trained on {card['data']['train']['answer_tokens']:,} tokens", ROOT / reference))
+        rows.append((f"reference, trained on {trained_tokens(card)} tokens", ROOT / reference))
     print(head_rows(rows))
     plots = sorted(str(f.relative_to(ROOT)) for f in (ROOT / evald).glob("*.png"))
     print("plots: " + ", ".join(plots))
@@ -146,6 +146,13 @@ def main() -> int:
           + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()) + f"   total {time.perf_counter() - t0:.0f} s")
     return 0
 
+
+def trained_tokens(card: dict) -> str:
+    """The answer tokens a packaged head was trained on, run by run over its lineage ("1,014,736 + 979,874")."""
+    runs = card.get("lineage") or []
+    if runs and all(r.get("answer_tokens") for r in runs):
+        return " + ".join(f"{r['answer_tokens']:,}" for r in runs)
+    return f"{card['data']['train']['answer_tokens']:,}"
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -650,15 +650,18 @@ def _train(run: Run, root: Path, args) -> None:
     fit(run, "train", train_config(root, "main", args, init_head=init))
 
 
-def lineage(root: Path, args) -> list[dict]:
+def lineage(root: Path, args, answer_tokens: int | None = None) -> list[dict]:
     """Every run the packaged head's weights went through, the first first: the init head's lineage (from its
-    card), then this run (its epochs: the first fit's and every extension round's)."""
+    card), then this run (its epochs: the first fit's and every extension round's; the training answer tokens)."""
     prev = root / "main/init-card.json"
     runs = []
     if prev.is_file():
         old = json.loads(prev.read_text())
         runs = old.get("lineage") or [{"date": old["date"], "command": old["command"], "epochs": None}]
-    return runs + [{"date": time.strftime("%Y-%m-%d"), "command": this_command(), "epochs": run_epochs(args)}]
+        if len(runs) == 1 and "answer_tokens" not in runs[0] and "data" in old:  # a card from before the count
+            runs = [{**runs[0], "answer_tokens": old["data"]["train"]["answer_tokens"]}]
+    return runs + [{"date": time.strftime("%Y-%m-%d"), "command": this_command(), "epochs": run_epochs(args),
+                    "answer_tokens": answer_tokens}]
 
 
 def this_command() -> str:
@@ -867,7 +870,7 @@ def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, args
         "machine_plain_tok_s": run.times.get("plain_tok_s"),
         "stage_seconds": {k: v for k, v in run.times.items() if k not in ("plain_tok_s", "running", "machines")},
         "stage_machines_plain_tok_s": run.times.get("machines", {}),
-        "data": {**feature_tokens(features), "from_answer": args.from_answer},
+        "data": (data := {**feature_tokens(features), "from_answer": args.from_answer}),
         "val": {"accuracies": meta.get("val_accuracies"), "sim_tau": meta.get("val_sim_tau"),
                 "draft_vocab_coverage": meta.get("draft_vocab_coverage"),
                 "draft_vocab_size": meta["config"]["draft_vocab_size"]},
@@ -876,7 +879,7 @@ def _package(run: Run, root: Path, head: Path, features: Path, evald: Path, args
                      "domains": {d: x["tau"] for d, x in v["domains"].items()}}
                  for m, v in res["modes"].items()},
         "eval_command": res["command"],
-        "lineage": lineage(root, args),
+        "lineage": lineage(root, args, data["train"]["answer_tokens"]),
         "bench": None,  # the bench stage, after this one, fills it in
     }
     tmp = root / "package"
@@ -981,7 +984,9 @@ def card_markdown(card: dict, eval_md: str, bench_md: str, scaling_md: str) -> s
     if len(runs) > 1:
         lines += [f"Trained over {len(runs)} runs, each a warm restart from the head before it "
                   f"({sum(r['epochs'] or 0 for r in runs)} epochs in all):", "",
-                  *[f"{i}. {r['date']}: `{r['command']}`, {r['epochs'] or '?'} epochs" for i, r in enumerate(runs, 1)],
+                  *[f"{i}. {r['date']}: `{r['command']}`, {r['epochs'] or '?'} epoch{'' if r['epochs'] == 1 else 's'}"
+                    + (f" on {r['answer_tokens']:,} answer tokens" if r.get("answer_tokens") else "")
+                    for i, r in enumerate(runs, 1)],
                   ""]
     lines += ["## Eval (bundled eval prompts, T = 0, batch 1; mode per row)", "", eval_md.strip(), ""]
     if card["bench"]:

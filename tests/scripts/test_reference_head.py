@@ -457,3 +457,17 @@ def test_from_answer_caches_features_for_the_answers_from_that_one_on(tmp_path):
     assert mod.features_from(tmp_path) == 3  # a rerun with another --from-answer makes the features again
     with pytest.raises(SystemExit, match="holds 5 answers"):
         mod._slice(data, mod.sliced_answers(data, 5), 5, tmp_path)
+
+
+def test_the_lineage_counts_each_runs_training_tokens(tmp_path):
+    """A card from before the count takes its own data's; the demo's reference row names every run's."""
+    mod = _script()
+    (tmp_path / "main").mkdir()
+    (tmp_path / "main/init-card.json").write_text(json.dumps(
+        {"date": "2026-12-04", "command": "c1", "data": {"train": {"answer_tokens": 1000}},
+         "lineage": [{"date": "2026-12-04", "command": "c1", "epochs": 8}]}))
+    runs = mod.lineage(tmp_path, Namespace(epochs=1, extend_epochs="0"), answer_tokens=900)
+    assert [(r["epochs"], r["answer_tokens"]) for r in runs] == [(8, 1000), (1, 900)]
+    demo = load_script("demo")
+    assert demo.trained_tokens({"lineage": runs, "data": {"train": {"answer_tokens": 900}}}) == "1,000 + 900"
+    assert demo.trained_tokens({"lineage": [{"epochs": 8}], "data": {"train": {"answer_tokens": 1000}}}) == "1,000"
