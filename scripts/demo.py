@@ -154,5 +154,6 @@ def trained_tokens(card: dict) -> str:
         return " + ".join(f"{r['answer_tokens']:,}" for r in runs)
     return f"{card['data']['train']['answer_tokens']:,}"
 
+
 if __name__ == "__main__":
     sys.exit(main())

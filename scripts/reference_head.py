@@ -501,8 +501,8 @@ def main() -> int:
         rounds_made = rounds_made[:stale]
     scaling = root / "scaling"
     answers = sliced_answers(data, args.from_answer)
-    if features.exists() and features_from(root) != args.from_answer:
-        run.say(f"features: cached from answer {features_from(root)} on, not --from-answer {args.from_answer}: made again")
+    if features.exists() and (cached_from := features_from(root)) != args.from_answer:
+        run.say(f"features: cached from answer {cached_from} on, not --from-answer {args.from_answer}: made again")
         redo.add("features")
     outputs = {"synthesize": synth, "distill": data, "features": features, "train": trained, "extend": head,
                "export": export, "eval": evald / "results.json",
@@ -609,15 +609,13 @@ def features_from(root: Path) -> int:
 
 def _slice(data: Path, answers: Path, start: int, root: Path) -> None:
     """Write ``answers`` (the lines of ``data`` from ``start`` on) and record ``start`` for the feature cache."""
+    if answers != data:
+        lines = data.read_bytes().splitlines(keepends=True)
+        if start >= len(lines):
+            sys.exit(f"reference-head: --from-answer {start}: {shown(data)} holds {len(lines)} answers; give a "
+                     "smaller one")
+        atomic_write_bytes(answers, b"".join(lines[start:]))
     atomic_write_json(root / "features-from.json", {"from_answer": start})
-    if answers == data:
-        return
-    lines = data.read_bytes().splitlines(keepends=True)
-    if start >= len(lines):
-        sys.exit(f"reference-head: --from-answer {start}: {shown(data)} holds {len(lines)} answers; give a smaller one")
-    tmp = answers.with_name(answers.name + ".tmp")
-    tmp.write_bytes(b"".join(lines[start:]))
-    tmp.replace(answers)
 
 
 def unmet_need(only: frozenset, head_stage: str, finished) -> tuple[str, str] | None:
