@@ -368,20 +368,25 @@ def native_dtype() -> str:
 
 def train_config(run: Path, name: str, args, fraction: float = 1.0,
                  base: str = "configs/smollm2-eagle3-reference.yaml", epochs: int | None = None,
-                 init_head: Path | None = None, trainer: dict | None = None) -> Path:
+                 init_head: Path | None = None, trainer: dict | None = None, model: dict | None = None) -> Path:
     """``base`` (a reference config) with its paths under ``run/name``, ``epochs`` (default ``--epochs``),
-    ``--precision``, ``trainer`` overrides and, given ``init_head``, training on from that head (peak learning rate
+    ``--precision``, ``trainer`` and ``model`` overrides and, given ``init_head``, training on from that head (peak learning rate
     ``--restart-lr`` where given)."""
     from draftheads.training.cli import config_under, save_config
 
     epochs = epochs or args.epochs
     trainer = {"precision": args.precision, **({"max_epochs": epochs} if epochs else {}), **(trainer or {})}
-    model = None
+    model = dict(model or {})
     if init_head:
-        model = {"init_head": str(init_head), **({"lr": args.restart_lr} if args.restart_lr else {})}
+        model |= {"init_head": str(init_head), **({"lr": args.restart_lr} if args.restart_lr else {})}
     cfg = config_under(ROOT / base, run / name, run / "features", trainer=trainer, model=model,
                        data={"train_fraction": fraction} if fraction < 1 else None)
     return save_config(cfg, run / name / "train.yaml", f"{base} by scripts/reference_head.py")
+
+
+def eagle3_shape(args) -> dict:
+    """Overrides of the EAGLE-3 head's shape (``--intermediate-size``) for its fits' configs."""
+    return {"intermediate_size": args.intermediate_size} if args.intermediate_size else {}
 
 
 def fit(run: Run, stage: str, config: Path) -> None:
@@ -464,6 +469,9 @@ def main() -> int:
     p.add_argument("--restart-lr", type=float, default=None,
                    help="peak learning rate of every fit that starts from a trained head (--init-head, extension "
                         "rounds); default: the config's. A lower one keeps more of what the head has learnt")
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="MLP width of the EAGLE-3 draft layer (default: the target's); with --init-head, a larger "
+                        "one widens that head, its new units starting with no effect on its output")
     p.add_argument("--from-answer", type=int, default=0,
                    help="cache features for, and train and validate on, the distilled answers from this one on (0-based, "
                         "in the order distill wrote them): e.g. with --init-head, only those its head has not seen "
@@ -645,7 +653,7 @@ def _train(run: Run, root: Path, args) -> None:
         (root / "main").mkdir(parents=True, exist_ok=True)
         if card.is_file() and not (root / "main/init-card.json").exists():
             shutil.copy(card, root / "main/init-card.json")  # before package replaces it
-    fit(run, "train", train_config(root, "main", args, init_head=init))
+    fit(run, "train", train_config(root, "main", args, init_head=init, model=eagle3_shape(args)))
 
 
 def lineage(root: Path, args, answer_tokens: int | None = None) -> list[dict]:
@@ -702,7 +710,7 @@ def _extend(run: Run, root: Path, rounds: list[int], trained: Path, args) -> Non
         out = root / round_dir(i)
         if not (out / "head").exists():
             fit(run, "extend" if i == 0 else f"extend round {i + 1}",
-                train_config(root, round_dir(i), args, epochs=epochs, init_head=start))
+                train_config(root, round_dir(i), args, epochs=epochs, init_head=start, model=eagle3_shape(args)))
         start = out / "head"
 
 
@@ -774,7 +782,7 @@ def _scaling(run: Run, root: Path, fractions: list[float], features: Path, args)
             run.say(f"scaling {f:g}: {name} was trained on another schedule; training it again")
             shutil.rmtree(root / name)
         if not h.exists():
-            fit(run, f"scaling {f:g}", train_config(root, name, args, f, trainer=schedule))
+            fit(run, f"scaling {f:g}", train_config(root, name, args, f, trainer=schedule, model=eagle3_shape(args)))
         ev = root / name / "eval-chain3"
         if not (ev / "results.json").exists():
             run.cmd(f"scaling eval {f:g}", [

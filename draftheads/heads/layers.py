@@ -241,6 +241,25 @@ class DraftMLP(nn.Module):
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    @torch.no_grad()
+    def widen(self, size: int) -> None:
+        """Grow to ``size`` intermediate units without changing the function: the new units' gate and up
+        rows start as a fresh layer's, their down_proj columns at zero (so they train from the first step
+        on, through down_proj's gradient)."""
+        old = self.down_proj.in_features
+        if size < old:
+            raise DraftheadsError(f"intermediate_size {size} is below the head's {old}: a head only widens")
+        h = self.down_proj.out_features
+        like = self.down_proj.weight
+        for name in ("gate_proj", "up_proj"):
+            grown = nn.Linear(h, size, bias=False, device=like.device, dtype=like.dtype)
+            grown.weight[:old] = getattr(self, name).weight
+            setattr(self, name, grown)
+        down = nn.Linear(size, h, bias=False, device=like.device, dtype=like.dtype)
+        down.weight.zero_()
+        down.weight[:, :old] = like
+        self.down_proj = down
+
 
 class DraftDecoderLayer(nn.Module):
     """One Llama decoder layer for a draft head.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -102,6 +103,7 @@ class Eagle3Module(DraftHeadModule):
         decay: float = 0.8,
         aux_scale: str = "median",
         freeze_lm_head: bool = False,
+        intermediate_size: int | None = None,
         **kwargs,
     ):
         """
@@ -117,20 +119,28 @@ class Eagle3Module(DraftHeadModule):
                 blind to attention-sink tokens whose norms are 1e3x the rest) or ``rms`` (RMS over all
                 tokens) or ``none``.
             freeze_lm_head: keep the draft lm_head at the target's rows (fewer trained parameters).
+            intermediate_size: MLP width of the draft layer (default: the target's). With ``init_head``, a
+                larger one widens that head's MLP, the new units starting with no effect on its output, so
+                training goes on from the same function with more capacity.
             **kwargs: see :class:`DraftHeadModule`.
         """
         super().__init__(**kwargs)
         self.save_hyperparameters()
         if aux_scale not in AUX_SCALES:
             raise DraftheadsError(f"model.aux_scale={aux_scale!r}: use one of {list(AUX_SCALES)}")
+        if intermediate_size is not None and intermediate_size < 1:
+            raise DraftheadsError(f"model.intermediate_size={intermediate_size} must be >= 1 (or unset: the target's)")
 
     def build_head(self, info, datamodule):
         hp = self.hparams
         vocab = self.build_draft_vocab(datamodule, hp.draft_vocab_size, hp.vocab_coverage, hp.draft_vocab_max)
         ids = tuple(hp.aux_layer_ids) if hp.aux_layer_ids else default_aux_layer_ids(info.num_layers)
         check_layer_ids(ids, info.num_layers, "model.aux_layer_ids")
+        layer = LayerSpec.from_hf_config(self.target.config)
+        if hp.intermediate_size:
+            layer = replace(layer, intermediate_size=hp.intermediate_size)
         head = Eagle3Head(Eagle3Config(
-            layer=LayerSpec.from_hf_config(self.target.config), vocab_size=info.vocab_size,
+            layer=layer, vocab_size=info.vocab_size,
             draft_vocab_size=vocab.size, aux_layer_ids=ids, target_hidden_size=info.hidden_size,
             ttt_steps=hp.ttt_steps,
         ))
@@ -146,6 +156,16 @@ class Eagle3Module(DraftHeadModule):
     def _initial_head(self, path: str):
         head = super()._initial_head(path)
         head.lm_head.weight.requires_grad_(not self.hparams.freeze_lm_head)
+        width = self.hparams.intermediate_size
+        if width and width != head.config.layer.intermediate_size:
+            if width < head.config.layer.intermediate_size:
+                raise DraftheadsError(
+                    f"model.intermediate_size={width} is below the init_head's {head.config.layer.intermediate_size}: "
+                    "a head only widens; leave it unset to keep the head's width")
+            log.warning("widening the head's MLP from %d to %d units", head.config.layer.intermediate_size, width)
+            for layer in head.layers:
+                layer.mlp.widen(width)
+            head.config.layer = replace(head.config.layer, intermediate_size=width)
         return head
 
     @torch.no_grad()

@@ -71,6 +71,25 @@ def test_eagle3_shapes_and_duplicate_ids_rejected():
         Eagle3Config(layer=SPEC, vocab_size=60, draft_vocab_size=20, aux_layer_ids=(2, 2, 3))
 
 
+def test_widened_mlp_keeps_the_function_and_trains_its_new_units():
+    head = _eagle3().double()
+    aux, emb = torch.randn(2, 6, 96, dtype=torch.float64), torch.randn(2, 6, 32, dtype=torch.float64)
+    pos = torch.arange(6).expand(2, 6)
+    before = head.normed(head(emb, head.fuse(aux), pos)[0])
+    mlp = head.layers[0].mlp
+    old_gate = mlp.gate_proj.weight.clone()
+    mlp.widen(96)
+    assert (mlp.gate_proj.weight.shape, mlp.up_proj.weight.shape, mlp.down_proj.weight.shape) == (
+        (96, 32), (96, 32), (32, 96))
+    assert torch.equal(mlp.gate_proj.weight[:64], old_gate) and mlp.gate_proj.weight[64:].abs().sum() > 0
+    after = head.normed(head(emb, head.fuse(aux), pos)[0])
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    after.square().sum().backward()
+    assert mlp.down_proj.weight.grad[:, 64:].abs().sum() > 0  # the new units leave zero on the first step
+    with pytest.raises(DraftheadsError, match="intermediate_size 32 is below the head's 96"):
+        mlp.widen(32)
+
+
 @pytest.mark.parametrize("block", [None, 4])  # one query block, or three with the last one padded
 def test_eagle3_ttt_equals_step_by_step_drafting(monkeypatch, block):
     """TTT step j at t == drafting j tokens on top of the real prefix 0..t with a growing draft KV."""

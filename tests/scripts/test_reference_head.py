@@ -309,7 +309,7 @@ def test_the_block_drafters_train_as_many_epochs_as_the_eagle3_head(tmp_path, mo
 
     monkeypatch.setattr(mod, "fit", fit)
     run = Namespace(cmd=cmd)
-    args = Namespace(epochs=1, extend_epochs="3", precision="32", eval_per_domain=1, eval_tokens=8, dtype="float32")
+    args = Namespace(epochs=1, extend_epochs="3", precision="32", intermediate_size=None, eval_per_domain=1, eval_tokens=8, dtype="float32")
     import pytest
 
     with pytest.raises(Stop):
@@ -443,6 +443,17 @@ def test_a_warm_restart_takes_restart_lr_and_a_new_head_the_configs(tmp_path):
     assert restarted["lr"] == 3e-4 and restarted["init_head"] == str(tmp_path / "shipped")
     assert model(args, None)["lr"] == base and "init_head" not in model(args, None)
     assert model(Namespace(epochs=1, precision="32", restart_lr=None), tmp_path / "shipped")["lr"] == base
+
+
+def test_intermediate_size_reaches_the_eagle3_config_beside_a_warm_restart(tmp_path):
+    import yaml
+
+    mod = _script()
+    args = Namespace(epochs=1, precision="32", restart_lr=3e-4, intermediate_size=3072)
+    cfg = mod.train_config(tmp_path, "main", args, init_head=tmp_path / "shipped", model=mod.eagle3_shape(args))
+    init = yaml.safe_load(cfg.read_text())["model"]["init_args"]
+    assert (init["intermediate_size"], init["init_head"], init["lr"]) == (3072, str(tmp_path / "shipped"), 3e-4)
+    assert mod.eagle3_shape(Namespace(intermediate_size=None)) == {}
 
 
 def test_from_answer_caches_features_for_the_answers_from_that_one_on(tmp_path):

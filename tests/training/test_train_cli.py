@@ -148,6 +148,39 @@ def test_init_head_goes_on_from_a_trained_head(workdir):
     assert not torch.equal(more["fc.weight"], trained["fc.weight"])
 
 
+def test_init_head_widened_starts_as_that_head_and_saves_its_width(workdir):
+    from draftheads.errors import DraftheadsError
+    from draftheads.heads import load_head
+    from draftheads.training import Eagle3Module
+
+    extra = {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3], "draft_vocab_size": 384}
+    src = workdir / "wide-src" / "head"
+    if not src.exists():
+        assert main(["fit", "--config", str(_config(workdir, "wide-src", "Eagle3Module", 1, extra))]) == 0
+    narrow, _ = load_head(src)
+    width = narrow.config.layer.intermediate_size
+    module = Eagle3Module(target=str(workdir / "tiny"), init_head=str(src), intermediate_size=2 * width, **extra)
+    module.configure_model()
+    wide = module.head
+    assert wide.config.layer.intermediate_size == 2 * width
+    assert wide.layers[0].mlp.down_proj.weight.shape[1] == 2 * width
+    h = narrow.config.hidden_size
+    aux, emb = torch.randn(1, 5, 3 * h), torch.randn(1, 5, h)
+    pos = torch.arange(5)[None]
+    torch.testing.assert_close(wide.normed(wide(emb, wide.fuse(aux), pos)[0]),
+                               narrow.float().normed(narrow.float()(emb, narrow.float().fuse(aux), pos)[0]))
+    with pytest.raises(DraftheadsError, match="model.intermediate_size=.* is below the init_head's"):
+        Eagle3Module(target=str(workdir / "tiny"), init_head=str(src), intermediate_size=width // 2,
+                     **extra).configure_model()
+    # a fit from it writes the wider head, which loads with its own width
+    cfg = _config(workdir, "wide-more", "Eagle3Module", 1, {**extra, "init_head": str(src),
+                                                            "intermediate_size": 2 * width})
+    assert main(["fit", "--config", str(cfg)]) == 0
+    more, _ = load_head(workdir / "wide-more" / "head")
+    assert more.config.layer.intermediate_size == 2 * width
+    assert more.layers[0].mlp.gate_proj.weight.shape == (2 * width, h)
+
+
 def test_two_process_ddp_ends_with_equal_weights(workdir):
     extra = {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3], "draft_vocab_size": 384}  # the whole vocabulary
     cfg = _config(workdir, "ddp", "Eagle3Module", 1, extra)
