@@ -75,7 +75,10 @@ def generate(prompt: str, target: TargetOptions, drafter: DrafterOptions, sampli
     if proposer:
         line += f"; {m.line()}"
     if engine.policy is not None:
-        line += f"; auto: {m.drafts}/{m.target_forwards} steps drafted, best arm {engine.policy.best(1) or 'plain'}"
+        r = engine.policy.report().get(1, {})
+        line += (f"; auto: {m.drafts}/{m.target_forwards} steps drafted, {r.get('tree_tokens_per_step', 0):.1f} "
+                 f"tokens verified per drafted step, {r.get('predicted_tokens_per_step', 0):.2f} predicted against "
+                 f"{r.get('measured_tokens_per_step', 0):.2f} measured tokens per step")
     if compare_plain and proposer:
         (plain,) = Engine(model.model, tok, None).generate([ids], params)
         line += (f"; plain {plain.metrics.tokens_per_s:.1f} tok/s; speedup "

@@ -78,6 +78,8 @@ def proposer_speeds(target, proposers: dict, prompts: list[list[int]], n: int, p
             agg = t.metrics(m)
             out[m].update(tau=agg.tau, alpha=agg.alpha, tokens_per_forward=tokens_per_forward(agg),
                           drafted_steps=agg.drafts, steps=agg.target_forwards)
+            if engines[m].policy is not None:  # auto: the trees it chose, and its prediction against the outcome
+                out[m]["auto"] = engines[m].policy.report().get(1)
     return out
 
 
@@ -197,6 +199,12 @@ def tables(res: dict) -> str:
             cost = f"{v['tokens_per_forward'] / v['ratio_vs_plain']:.2f}" if "tokens_per_forward" in v else "-"
             lines.append(f"| {m} | {v['tokens_per_s']:.1f} | {v['ratio_vs_plain']:.2f}x | {med} | {tau} | {drafted} "
                          f"| {cost} |")
+        lines.append("")
+        for m, v in res["proposers"].items():
+            if a := v.get("auto"):
+                lines.append(f"{m}: {a['tree_tokens_per_step']:.1f} tokens verified per drafted step (root "
+                             f"included); predicted {a['predicted_tokens_per_step']:.2f} tokens per drafted step, "
+                             f"measured {a['measured_tokens_per_step']:.2f}")
         lines.append("")
     if "batch_sweep" in res:
         bs = sorted({int(b) for v in res["batch_sweep"].values() for b in v})

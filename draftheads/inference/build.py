@@ -7,7 +7,7 @@ import os
 from draftheads.errors import DraftheadsError
 from draftheads.heads import check_head_fits_target, load_head
 from draftheads.inference.engine import Engine, EngineConfig
-from draftheads.inference.policy import AutoTree
+from draftheads.inference.policy import AutoPolicy
 from draftheads.inference.tree import DEFAULT_TREE
 
 PROPOSERS = ("ngram",)
@@ -54,7 +54,7 @@ def make_engine(target, proposer, tree: str | None = None, config: EngineConfig 
     if proposer is not None and tree == "auto":
         from draftheads.inference.profile import load_profile
 
-        policy = AutoTree.for_proposer(proposer)
+        policy = AutoPolicy.for_proposer(proposer)
         curve = load_profile(target.info.name, target.model)
         if curve:
             policy.curve.seed(curve)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -14,7 +14,7 @@ from draftheads.errors import DraftheadsError
 from draftheads.inference.attention import PagedStep, StepCache, cache_argument, paged_attention
 from draftheads.inference.kv_cache import PagedKVCache
 from draftheads.inference.metrics import SpecMetrics
-from draftheads.inference.policy import AutoTree, RequestSwitch
+from draftheads.inference.policy import AutoPolicy, StepPlan
 from draftheads.inference.proposers.base import Proposer, RequestState
 from draftheads.inference.sampling import SamplingParams, request_generator, sample_rows
 from draftheads.inference.tree import (
@@ -85,25 +85,25 @@ def _plain_head(model) -> bool:
 
 
 class Engine:
-    """``tree``: ``auto`` (the default: :class:`AutoTree` chooses plain decoding or one of the proposer's
-    trees each step by measured speed, and a per-request switch turns drafting off where it does not
-    pay), a tree name or file (always speculate with it), or a :class:`TreeSpec`. ``policy``: a
-    prepared :class:`AutoTree` (e.g. seeded with the verify curve of ``draftheads profile``)."""
+    """``tree``: ``auto`` (the default: :class:`AutoPolicy` drafts, each step, the tree with the best
+    expected tokens per second by its acceptance and cost models, plain decoding included), a tree name
+    or file (always speculate with it), or a :class:`TreeSpec`. ``policy``: a prepared
+    :class:`AutoPolicy` (e.g. seeded with the verify curve of ``draftheads profile``)."""
 
     def __init__(self, model, tokenizer=None, proposer: Proposer | None = None, config: EngineConfig | None = None,
-                 eos_token_ids=None, tree: str | TreeSpec | None = None, policy: AutoTree | None = None):
+                 eos_token_ids=None, tree: str | TreeSpec | None = None, policy: AutoPolicy | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.proposer = proposer
         self.config = config or EngineConfig()
         tree = DEFAULT_TREE if tree is None else tree
-        self.policy = self.switch = self.tree = None
+        self.policy = self.tree = None
         if proposer is not None:
             if policy is not None or tree == "auto":
-                self.policy = policy or AutoTree.for_proposer(proposer)
-                self.switch = RequestSwitch()
-                for t in self.policy.trees.values():
-                    proposer.check_tree(t)
+                self.policy = policy or AutoPolicy.for_proposer(proposer)
+                if self.policy.pool.total_tokens > self.config.max_tree_tokens:
+                    self.policy.pool = replace(self.policy.pool, total_tokens=self.config.max_tree_tokens)
+                proposer.check_tree(self.policy.pool)
             else:
                 self.tree = tree if isinstance(tree, TreeSpec) else parse_tree(tree)
                 proposer.check_tree(self.tree)
@@ -246,6 +246,8 @@ class Engine:
             self._emit(st, [tok])
             if self.proposer:
                 self.proposer.start(st, {i: h[off: off + n] for i, h in hidden.items()})
+            if self.policy:
+                self.policy.start(st)
             off += n
         while True:
             live = [st for st in states if not st.done]
@@ -253,27 +255,24 @@ class Engine:
                 break
             self.steps += 1
             t_step = time.perf_counter()
-            arm, tree = self._choose(live)
-            trees = self._propose(live, tree)
+            plan, trees = self._propose(live)
+            t_draft = time.perf_counter() - t_step
             logits, hidden = self.forward(cache, live, trees, layer_ids)
             results = self.verifier.verify(live, trees, logits)
             cache.commit_many([(st.rid, res.path) for st, res in zip(live, results)])
-            emitted, left = [], []
             off = 0
             for st, t, res in zip(live, trees, results):
                 if len(t) > 1:
                     st.metrics.record_draft(t.depth, len(res.accepted), draft_tokens=len(t) - 1)
                 st.metrics.target_forwards += 1
-                before = len(st.tokens)
-                left.append(st.params.max_new_tokens - len(st.generated))
                 self._emit(st, res.tokens)
-                emitted.append(len(st.tokens) - before)
                 if self.proposer and not st.done:
                     path = torch.tensor(res.path, device=self.device) + off
                     self.proposer.observe(st, {i: h[path] for i, h in hidden.items()}, len(res.path))
                 off += len(t)
             if self.policy:
-                self._credit(arm, live, trees, emitted, time.perf_counter() - t_step, left)
+                self.policy.update(live, plan, trees, [res.accepted for res in results], t_draft,
+                                   time.perf_counter() - t_step - t_draft, self.steps)
             if progress:
                 progress(sum(len(st.generated) for st in states))
         wall = time.perf_counter() - t0
@@ -282,47 +281,29 @@ class Engine:
             cache.release(st.rid)
             if self.proposer:
                 self.proposer.finish(st)
+            if self.policy:
+                self.policy.finish(st)
             st.metrics.emitted_tokens = len(st.generated)
             st.metrics.wall_time_s = wall
             reason = "stop" if st.generated and st.generated[-1] in self.eos else "length"
             outputs.append(GenerationOutput(st.rid, st.tokens[: st.prompt_len], st.generated, st.metrics, reason))
         return outputs
 
-    def _choose(self, live: list[RequestState]) -> tuple[str | None, TreeSpec | None]:
-        """This step's arm and tree (None = plain decoding)."""
+    def _propose(self, live: list[RequestState]) -> tuple[StepPlan | None, list[Tree]]:
+        """Every live row's tree for this step: the fixed tree drafted for every row, or under ``auto``
+        the policy's choice of rows, depth and nodes (the root alone for a row that does not draft)."""
+        if self.proposer is None:
+            return None, [Tree([st.root], [-1]) for st in live]
         if self.policy is None:
-            return None, self.tree
-        arm = self.policy.choose(len(live))
-        if arm is not None:
-            for st in live:
-                self.switch.maybe_probe(st, self.steps)
-        return arm, self.policy.trees.get(arm)
-
-    def _credit(self, arm, live, trees, emitted, seconds, left) -> None:
-        """The step goes to the arm that actually ran (plain when no row drafted), credited with the
-        tokens it moved the whole batch on by: the batch size times how much the most tokens any row
-        still has to write (``left`` before the step) went down, at most the most a row emitted (a row
-        ending at an end-of-sequence token is not the arm's doing). A call ends with its last row, so
-        tokens that finish other rows sooner do not shorten it."""
-        ran = arm if any(len(t) > 1 for t in trees) else None
-        after = max((k - n for st, k, n in zip(live, left, emitted) if not st.done), default=0)
-        advanced = min(max(left) - after, max(emitted))
-        self.policy.update(ran, len(live), len(live) * advanced, seconds, sum(len(t) for t in trees))
-        ratio = self.policy.cost_ratio(ran, len(live))
-        if ratio is not None and len(live) > 1:  # a lone row is the batch: the policy's plain arm decides
-            for st, t, n in zip(live, trees, emitted):
-                if len(t) > 1 and not st.done:
-                    self.switch.observe(st, n, self.steps, ratio)
-
-    def _propose(self, live: list[RequestState], tree: TreeSpec | None) -> list[Tree]:
-        """Every live row's tree for this step: drafted in one batch for the rows that speculate, the
-        root alone for the others (and for all on a plain step)."""
-        drafting = [st for st in live if st.speculate] if tree is not None else []
-        drafted = iter(self.proposer.propose_batch(drafting, tree) if drafting else ())
-        out = [next(drafted) if tree is not None and st.speculate else Tree([st.root], [-1]) for st in live]
+            plan, out = None, self.proposer.propose_batch(live, self.tree)
+        else:
+            plan = self.policy.plan(live, self.steps)
+            t0 = time.perf_counter()
+            pools = self.proposer.propose_batch(plan.drafting, plan.spec, grow=plan.grow) if plan.drafting else []
+            out = self.policy.select(live, plan, pools, time.perf_counter() - t0)
         for st, t in zip(live, out):
             if t.tokens[0] != st.root:
                 raise RuntimeError(f"proposer {self.proposer.name} returned a tree not rooted at the last token")
             if len(t) > self.config.max_tree_tokens:
                 raise DraftheadsError(f"tree of {len(t)} tokens exceeds max_tree_tokens={self.config.max_tree_tokens}")
-        return out
+        return plan, out

@@ -1,304 +1,251 @@
-"""Speculating only where it pays, from measurements on this machine (``--tree auto``).
+"""``--tree auto``: each step drafts the tree with the best expected tokens per second, plain decoding
+included, from two models kept as the engine runs.
 
-The algorithm, per engine and across its ``generate`` calls:
+* **Acceptance** (:class:`~draftheads.inference.acceptance.AcceptanceModel`): the probability that a
+  drafted node is accepted, from the draft's own confidence in its path, calibrated on every verified
+  node, shared by the engine's requests and refined per request.
+* **Cost** (:mod:`draftheads.inference.cost`): seconds of the verify forward by query tokens (the
+  verify curve) and of drafting by batch size and depth, with a drift factor for the machine's speed.
 
-* **Arms**: plain decoding and the proposer's trees (``Proposer.auto_trees``), cheapest first. Every
-  measurement is kept per batch-size bucket (1, 2, 4, 8, ...), since what pays at batch 1 may not at 16.
-* **Measurement**: a step is credited to the arm that actually ran -- a step in which no row drafted
-  (every request switched off) is a plain step -- with its wall time, draft work included, and the
-  tokens it moved the batch on by: the batch size times how much the most tokens any row still has to
-  write went down. A batch's call ends with its last row, so a drafter accepted in one row and not in
-  another saves no step, however many tokens the first row emits. An arm's first step in a bucket runs
-  its kernel shapes cold, so its tokens count but its time does not. Token counts decay by ``decay`` per step of that bucket, chosen or not (a window
-  of about ``1 / (1 - decay)`` steps), so old measurements fade.
-* **Choice**: the arm with the best rate: decayed mean tokens per step over its step time.
-  - The mean starts from ``prior_steps`` pseudo-steps at plain decoding's tokens per step (nothing
-    accepted), so an arm measured in few steps -- one probed now and then, whose older steps have
-    decayed away -- does not become the best on one lucky step; an arm that runs soon outweighs them.
-  - Plain decoding's step time is the median of its last nine (a step stalled by other work on the
-    machine does not move the median). A tree's is the median of its last nine step times over
-    plain's at the time, times plain's now: a machine's speed drifts (here plain decoding went from
-    22 to 14 tok/s within an hour), and a tree probed now and then would otherwise be judged by
-    times from when the machine was faster or slower.
-* **Exploration**: an arm is measured for ``explore_steps`` steps before it can be compared, cheapest
-  first. In a new batch bucket an arm already explored in another one is not explored again when the
-  tokens per row it emitted there (acceptance does not depend on the batch), over its step time here
-  by the verify curve (at least that of the largest size measured below it), cannot beat plain
-  decoding: it waits for its first probe instead, and holds back the larger trees of its kind as a
-  losing tree does (below).
-* **Probe schedule**: every arm that is not the best is tried for one step after ``probe_after``
-  steps; each probe it loses doubles its wait (up to ``max_probe_after``), a win resets it.
-  - The wait is counted in steps of the best arm's time: an arm whose step takes 4x as long waits 4x
-    as many steps, so probing takes the same share of the time whatever a probe costs (at batch 16
-    a probe that catches the drafter up over every row costs several plain steps).
-  - While a tree runs below ``prune`` times the best arm, the larger trees of its kind (chains after
-    a chain, branching trees after a branching tree) wait, unexplored ones included, until it comes
-    close (the largest explored tree below them decides): they cost more per step and, with the same
-    drafter, accept little more, so only the smallest losing tree of each kind is probed.
-  - Chains and branching trees do not hold each other back, since their costs do not follow their
-    sizes: on a CPU a 12-token tree can cost no more than a 2-token chain, whose two-row matrix
-    products run as two one-row ones.
-* **Large batch**: from the step times measured at each number of query tokens (the verify curve,
-  seeded by ``draftheads profile`` where it was run), an arm is skipped when even its best case,
-  every drafted token accepted, cannot beat plain decoding: (depth + 1) * t(batch) < t(batch * tree).
-* **Per request** (:class:`RequestSwitch`): while a batch of several rows speculates, a request whose
-  running tokens per step stays below the measured step-time ratio of the arm to plain decoding decodes
-  plainly for ``off_steps`` steps, then probes again, so one row's rejections do not cost the others a
-  wide verify. Its state lives on the request. A lone row is left to the arms, plain decoding among
-  them: switching it off after a short run of rejections cost more than it saved at batch 1 with the
-  shipped EAGLE-3 head (a third of the steps or more ran plain in two of three side-by-side runs).
+A step, for a batch of ``B`` rows:
+
+1. **Who drafts.** A row drafts unless its gate is shut. Each drafted step credits the row with the
+   seconds its accepted tokens saved (accepted tokens times plain decoding's seconds per token) and
+   charges it its share of the draft and of the verify forward beyond plain; when the decayed mean of
+   the credit falls below that of the charge, the row decodes plainly and probes again after a wait
+   that doubles on every losing probe, up to ``max_wait`` steps: a request whose drafts turn good
+   finds out within that bound. A new request drafts at once.
+2. **How deep** (:class:`Grow`, proposers that draft depth by depth): after each depth, the chance
+   that the walk reaches it (the values of its best ``top_k`` nodes) times the chance that it goes on
+   one further is what one more depth returns; the draft goes deeper while that return per second of
+   drafting and verifying beats the step's rate so far.
+3. **Which nodes** (:meth:`AutoPolicy.select`): every drafted node of every row is valued by the
+   acceptance model, and the ``n`` best across the batch are verified, ``n`` (0 = plain verify) chosen
+   for the best ``(B + sum of their values) / (draft seconds + verify seconds of B + n tokens)``. So the
+   tree's size and shape, per row, follow the draft's confidence and what tokens cost here, not a preset.
+   A probing row keeps at least its best node, so that it is measured.
+4. **Keeping the cost model current**: a plain step is run when plain decoding's own point on the curve
+   is missing, or every ``plain_every`` steps of a batch size.
+
+The expected tokens of a chosen tree are predicted before it is verified (``report``: predicted against
+measured tokens per step, and the sizes chosen).
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-import statistics
-from collections import deque
+import time
 from dataclasses import dataclass, field
 
+import torch
+
+from draftheads.inference.acceptance import AcceptanceModel
+from draftheads.inference.cost import CostCurve, DraftCost, grid_key
 from draftheads.inference.proposers.base import RequestState
-from draftheads.inference.tree import TreeSpec, parse_tree
+from draftheads.inference.tree import Tree, TreeSpec, depths, prune
 
 
 @dataclass
-class ArmStats:
-    tokens: float = 0.0  # decayed tokens emitted
-    weight: float = 0.0  # decayed step count
-    rows: float = 0.0  # decayed rows stepped (batch size summed)
-    times: deque = field(default_factory=lambda: deque(maxlen=9))  # wall seconds of its last steps
-    ratios: deque = field(default_factory=lambda: deque(maxlen=9))  # the same over plain's step time then
-    steps: int = 0  # steps ever run
-    probe_after: int = 0
-    next_probe: int = 0
-    explore_steps: int = 0  # steps before it can be compared; 0 once its exploration is skipped
+class RowGate:
+    """A request's gate: decayed seconds saved and spent per drafted step, and when to probe again."""
 
-    @property
-    def step_time(self) -> float:
-        """Median of the last step times: one step stalled by the machine does not move it."""
-        return statistics.median(self.times) if self.times else 0.0
-
-    def tokens_per_step(self, prior_tokens: float = 0.0, prior_steps: float = 0.0) -> float:
-        """Decayed mean tokens per step, counting ``prior_steps`` pseudo-steps of ``prior_tokens`` each."""
-        return (self.tokens + prior_steps * prior_tokens) / (self.weight + prior_steps) if self.weight else 0.0
-
-    def decay(self, f: float) -> None:
-        self.tokens *= f
-        self.weight *= f
-        self.rows *= f
-
-    @property
-    def explored(self) -> bool:
-        return self.steps >= self.explore_steps
-
-    def tokens_per_row(self, prior_steps: float) -> float:
-        """Decayed mean tokens per row and step, counting ``prior_steps`` pseudo-steps of one token a row."""
-        rows_per_step = self.rows / self.weight
-        return self.tokens_per_step(rows_per_step, prior_steps) / rows_per_step
-
-
-def _bucket(batch: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(batch, 1))))
+    saved: float | None = None
+    spent: float | None = None
+    open_at: int = 0  # engine step from which the row drafts again
+    wait: int = 0  # steps of the last shut-off (0 while drafting pays)
+    probing: bool = True  # its next drafted step is a probe (a new request, or after a wait)
 
 
 @dataclass
-class CostCurve:
-    """Decayed mean step time by number of query tokens in the forward (power-of-two buckets)."""
+class StepPlan:
+    """One step's choice before drafting: the rows that draft, the largest tree asked of the proposer,
+    and the depth-by-depth decision."""
 
-    decay: float = 0.98
-    points: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [seconds sum, weight]
-
-    def seed(self, ms_by_tokens: dict[int, float]) -> None:
-        for n, ms in ms_by_tokens.items():
-            self.points[_bucket(n)] = [ms / 1000, 1.0]
-
-    def add(self, tokens: int, seconds: float) -> None:
-        p = self.points.setdefault(_bucket(tokens), [0.0, 0.0])
-        p[0] = p[0] * self.decay + seconds
-        p[1] = p[1] * self.decay + 1
-
-    def estimate(self, tokens: int) -> float | None:
-        """Seconds of a step of ``tokens`` query tokens: interpolated, or extrapolated along the line
-        through the two nearest measured sizes up to twice the largest; None with fewer than two, or
-        further out (a line through 1 and 2 query tokens says nothing about 12: on a CPU a 12-token
-        step can cost what a 2-token one does)."""
-        known = sorted((n, s / w) for n, (s, w) in self.points.items() if w > 0)
-        if len(known) < 2 or tokens > 2 * known[-1][0]:
-            return None
-        i = min(max(bisect.bisect_left([n for n, _ in known], tokens), 1), len(known) - 1)
-        (n0, t0), (n1, t1) = known[i - 1], known[i]
-        return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
-
-    def at_least(self, tokens: int) -> float | None:
-        """Seconds of a step of ``tokens`` query tokens: the estimate where there is one, else a lower
-        bound, the longest step measured at no more tokens (a forward over more tokens is not faster)."""
-        est = self.estimate(tokens)
-        if est is not None:
-            return est
-        below = [s / w for n, (s, w) in self.points.items() if w > 0 and n <= _bucket(tokens)]
-        return max(below) if below else None
+    drafting: list[RequestState]
+    spec: TreeSpec | None
+    grow: Grow | None = None
+    predicted: float = 0.0  # expected tokens of the trees chosen (filled by select)
 
 
 @dataclass
-class AutoTree:
-    trees: dict[str, TreeSpec]  # arm name -> tree, cheapest first; plain decoding is the arm None
-    explore_steps: int = 3
-    prior_steps: float = 1.0
-    decay: float = 0.98
-    prune: float = 1.0
-    probe_after: int = 32
-    max_probe_after: int = 1024
+class Grow:
+    """Decides, depth by depth, whether a step drafts one level further (see the module docstring)."""
+
+    policy: AutoPolicy
+    rows: list[RequestState]
+    batch: int
+    top_k: int
+    max_depth: int
+    t0: float = field(default_factory=time.perf_counter)
+    expected: float = 0.0  # expected accepted tokens over the batch so far
+    nodes: int = 0  # tokens to verify beyond the roots so far (each depth's best top_k per row)
+    times: dict[int, float] = field(default_factory=dict)  # depth -> seconds since drafting began
+
+    def more(self, depth: int, scores: torch.Tensor) -> bool:
+        self.times[depth] = time.perf_counter() - self.t0  # measured, for the draft cost model
+        if depth >= self.max_depth:
+            return False
+        pol, acc = self.policy, self.policy.acceptance
+        best = torch.topk(scores.float(), min(self.top_k, scores.shape[1]), dim=1).values.tolist()  # [R, k]
+        for st, row in zip(self.rows, best):
+            self.expected += min(1.0, sum(acc.probability(st.rid, depth, s) for s in row))
+        self.nodes += len(self.rows) * len(best[0])
+        q, r = self.batch + self.nodes, len(self.rows)
+        t_v, plain = pol.verify_time(q), pol.verify_time(self.batch)
+        d_now = pol.draft.estimate(r, depth, plain)
+        rate = (self.batch + self.expected) / (d_now + t_v)
+        # one more depth opens the ones after it: drafting h further depths pays when what they return
+        # per second beats the step's rate so far, for some h
+        reach = [min(1.0, sum(acc.probability(st.rid, depth, s) for s in row)) for st, row in zip(self.rows, best)]
+        gain = 0.0
+        for h in range(1, self.max_depth - depth + 1):
+            reach = [p * acc.reach(st.rid, depth + h) for st, p in zip(self.rows, reach)]
+            gain += sum(reach)
+            extra = (max(pol.draft.estimate(r, depth + h, plain) - d_now, 0.0)
+                     + max(pol.verify_time(q + h * r) - t_v, 0.0))
+            if extra <= 0 or gain / extra > rate:
+                return gain > 0
+        return False
+
+
+@dataclass
+class AutoPolicy:
+    """The ``auto`` policy of one engine (see the module docstring). ``pool``: the largest tree a step
+    may draft (the proposer's ``auto_pool``)."""
+
+    pool: TreeSpec
+    acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
     curve: CostCurve = field(default_factory=CostCurve)
-    stats: dict[int, dict[str | None, ArmStats]] = field(default_factory=dict)  # batch bucket -> arm -> stats
-    steps: dict[int, int] = field(default_factory=dict)
+    draft: DraftCost = field(default_factory=DraftCost)
+    ema: float = 0.1  # weight of a step in a row's gate (a short run of rejections does not shut it)
+    min_wait: int = 1
+    max_wait: int = 32
+    plain_every: int = 64
+    last_plain: dict[int, int] = field(default_factory=dict)  # batch key -> engine step of its last plain step
+    stats: dict[int, dict[str, float]] = field(default_factory=dict)  # batch key -> report counters
 
     @classmethod
-    def for_proposer(cls, proposer) -> AutoTree:
-        """Plain decoding and the proposer's ``auto_trees``."""
-        return cls({n: parse_tree(n) for n in proposer.auto_trees})
+    def for_proposer(cls, proposer) -> AutoPolicy:
+        return cls(proposer.auto_pool)
 
-    @property
-    def arms(self) -> list[str | None]:
-        return [None, *self.trees]
+    # ------------------------------------------------------------------ requests
 
-    def _stats(self, b: int) -> dict[str | None, ArmStats]:
-        if b not in self.stats:
-            self.stats[b] = {a: ArmStats(probe_after=self.probe_after, explore_steps=self.explore_steps)
-                             for a in self.arms}
-            self.steps[b] = 0
-        return self.stats[b]
+    def start(self, st: RequestState) -> None:
+        st.gate = RowGate()
+        self.acceptance.start(st.rid)
 
-    def can_pay(self, arm: str | None, batch: int, plain: float | None = None) -> bool:
-        """False when, by the measured curve, even full acceptance cannot beat plain decoding
-        (``plain``: the curve's estimate at ``batch``, when the caller has it)."""
-        if arm is None:
-            return True
-        tree = self.trees[arm]
-        plain = self.curve.estimate(batch) if plain is None else plain
-        spec = self.curve.estimate(batch * tree.total_tokens)
-        return plain is None or spec is None or (tree.depth + 1) * plain >= spec
+    def finish(self, st: RequestState) -> None:
+        self.acceptance.finish(st.rid)
 
-    def choose(self, batch: int) -> str | None:
-        """The arm for the next step of a batch of ``batch`` rows."""
-        stats = self._stats(_bucket(batch))
-        step = self.steps[_bucket(batch)] + 1
-        plain = self.curve.estimate(batch)
-        for a in self.trees:  # measured at another batch size and losing here: probed, not explored
-            if not stats[a].explored and not stats[a].steps and self._loses_elsewhere(a, batch):
-                stats[a].explore_steps = 0
-                stats[a].next_probe = step + stats[a].probe_after
-        best = self.best(batch)
-        bar = self.prune * self._rate(stats, best, batch)
-        arms = [a for a in self.arms if self.can_pay(a, batch, plain) and step >= stats[a].next_probe
-                and not self._held_back(stats, a, batch, bar)]
-        for a in arms:  # exploration, cheapest first
-            if not stats[a].explored:
-                return a
-        for a in arms:  # a probe of an arm that is not the best, when its wait is over
-            if a != best:
-                return a
-        return best
+    # ------------------------------------------------------------------ the step
 
-    def update(self, arm: str | None, batch: int, tokens: int, seconds: float, query_tokens: int) -> None:
-        """Credit one step to the arm that ran (None when no row drafted)."""
-        b = _bucket(batch)
-        stats = self._stats(b)
-        self.steps[b] += 1
-        step = self.steps[b]
-        for s in stats.values():
-            s.decay(self.decay)
-        s = stats[arm]
-        s.tokens += tokens
-        s.weight += 1
-        s.rows += batch
-        s.steps += 1
-        if s.steps > 1:  # the first step ran this arm's shapes cold: its time is not what the arm costs
-            s.times.append(seconds)
-            if arm is not None and stats[None].times:
-                s.ratios.append(seconds / stats[None].step_time)
-            self.curve.add(query_tokens, seconds)
-        if not s.explored:
+    def verify_time(self, tokens: int) -> float:
+        """Seconds of a verify forward of ``tokens`` query tokens (optimistic; 1 before any measurement)."""
+        t = self.curve.optimistic(tokens)
+        return 1.0 if t is None else t
+
+    def plan(self, live: list[RequestState], step: int) -> StepPlan:
+        """Which rows draft this step (none: a plain step)."""
+        b = len(live)
+        key = grid_key(b)
+        stale = step - self.last_plain.get(key, -self.plain_every) >= self.plain_every
+        if stale or not self.curve.weight(b):
+            return StepPlan([], None)
+        rows = [st for st in live if step >= st.gate.open_at]
+        if not rows:
+            return StepPlan([], None)
+        grow = Grow(self, rows, b, self.pool.top_k, self.pool.depth)
+        return StepPlan(rows, self.pool, grow)
+
+    def select(self, live: list[RequestState], plan: StepPlan, pools: list[Tree], draft_seconds: float) -> list[Tree]:
+        """Every live row's tree to verify: the best nodes of the drafted ``pools`` (one per drafting row)
+        across the batch, as many as pay (the root alone for rows that did not draft)."""
+        b = len(live)
+        values = {st.rid: self.acceptance.values(st.rid, t) for st, t in zip(plan.drafting, pools)}
+        pool_of = {st.rid: t for st, t in zip(plan.drafting, pools)}
+        cands = []  # (value, depth, row id, node)
+        for st, t in zip(plan.drafting, pools):
+            d = depths(t.parents)
+            cands.extend((values[st.rid][i], d[i], st.rid, i) for i in range(1, len(t)))
+        cands.sort(key=lambda c: (-c[0], c[1], c[2], c[3]))
+        best_n, best_rate, total = 0, b / (draft_seconds + self.verify_time(b)), 0.0
+        for n, c in enumerate(cands, 1):
+            total += c[0]
+            rate = (b + total) / (draft_seconds + self.verify_time(b + n))
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        keep: dict[int, set[int]] = {st.rid: set() for st in plan.drafting}
+        for _, _, rid, i in cands[:best_n]:
+            keep[rid].add(i)
+        for st in plan.drafting:  # a probe is measured on at least its best node
+            if st.gate.probing and not keep[st.rid] and len(pool_of[st.rid]) > 1:
+                i = max(range(1, len(pool_of[st.rid])), key=lambda j: (values[st.rid][j], -j))
+                keep[st.rid] = _with_ancestors(pool_of[st.rid], i)
+        plan.predicted = b + sum(values[rid][i] for rid, nodes in keep.items() for i in nodes)
+        return [prune(pool_of[st.rid], keep[st.rid]) if st.rid in keep else Tree([st.root], [-1]) for st in live]
+
+    def update(self, live: list[RequestState], plan: StepPlan, trees: list[Tree], accepted: list[list[int]],
+               draft_seconds: float, verify_seconds: float, step: int) -> None:
+        """Learn from one verified step: the curve, the draft cost, acceptance and every drafting row's gate."""
+        b = len(live)
+        key = grid_key(b)
+        q = sum(len(t) for t in trees)
+        s = self.stats.setdefault(key, dict.fromkeys(("steps", "drafted", "predicted", "measured", "tokens"), 0.0))
+        s["steps"] += 1
+        self.curve.add(q, verify_seconds)
+        if q == b:
+            self.last_plain[key] = step
+        if not plan.drafting:
             return
-        best = self.best(batch)
-        if arm == best:
-            s.probe_after = self.probe_after
-        elif s.steps > s.explore_steps:
-            s.probe_after = min(2 * s.probe_after, self.max_probe_after)
-        t_best = self._step_time(stats, best)
-        cost = self._step_time(stats, arm) / t_best if arm != best and t_best else 1.0
-        s.next_probe = step + round(s.probe_after * max(cost, 1.0))
+        grow = plan.grow
+        for d, t in (grow.times.items() if grow is not None else ()):
+            if d < max(grow.times):
+                self.draft.add(len(plan.drafting), d, t)
+        depth = max(grow.times) if grow is not None and grow.times else plan.spec.depth
+        self.draft.add(len(plan.drafting), depth, draft_seconds)
+        drafted = q - b
+        s["drafted"] += 1
+        s["predicted"] += plan.predicted
+        s["measured"] += b + sum(len(a) for a in accepted)
+        s["tokens"] += q
+        plain = self.verify_time(b)
+        beyond = max(verify_seconds - plain, 0.0)
+        drafting = {st.rid for st in plan.drafting}
+        for st, t, acc in zip(live, trees, accepted):
+            if st.rid not in drafting:
+                continue
+            self.acceptance.observe(st.rid, t, acc)
+            saved = len(acc) * plain / b
+            spent = draft_seconds / len(plan.drafting) + (beyond * (len(t) - 1) / drafted if drafted else 0.0)
+            self._gate(st.gate, saved, spent, step)
 
-    def _held_back(self, stats: dict[str | None, ArmStats], arm: str | None, batch: int, bar: float) -> bool:
-        """True while the largest smaller tree of ``arm``'s kind that has been explored (or probed
-        instead) runs below ``bar``."""
-        below = [a for a in self._smaller_of_kind(arm) if stats[a].explored] if arm is not None else []
-        return bool(below) and self._rate(stats, below[-1], batch) < bar
+    def _gate(self, g: RowGate, saved: float, spent: float, step: int) -> None:
+        first = g.saved is None or g.probing
+        g.saved = saved if first else self.ema * saved + (1 - self.ema) * g.saved
+        g.spent = spent if first else self.ema * spent + (1 - self.ema) * g.spent
+        g.probing = False
+        if g.saved < g.spent:
+            g.wait = min(max(2 * g.wait, self.min_wait), self.max_wait)
+            g.open_at = step + 1 + g.wait
+            g.probing = True
+        else:
+            g.wait = 0
 
-    def _loses_elsewhere(self, arm: str, batch: int) -> bool:
-        """True when ``arm``, explored in another batch bucket, would run below plain decoding at
-        ``batch`` with the tokens per row it emitted there and its step time here by the curve."""
-        b = _bucket(batch)
-        seen = [stats[arm] for bb, stats in self.stats.items() if bb != b and stats[arm].rows]
-        if not seen:  # checked first: it is asked at every step while an arm waits unexplored
-            return False
-        t_plain = self._stats(b)[None].step_time or self.curve.estimate(batch)
-        t_arm = self.curve.at_least(batch * self.trees[arm].total_tokens)
-        if not t_plain or not t_arm:
-            return False
-        per_row = max(st.tokens_per_row(self.prior_steps) for st in seen)
-        return per_row * batch / t_arm < self.prune * batch / t_plain
-
-    def _smaller_of_kind(self, arm: str) -> list[str]:
-        """The trees before ``arm`` that are chains if it is one, branching trees if it branches."""
-        names = list(self.trees)
-        chain = self.trees[arm].top_k == 1
-        return [a for a in names[:names.index(arm)] if (self.trees[a].top_k == 1) == chain]
-
-    def best(self, batch: int = 1) -> str | None:
-        stats = self._stats(_bucket(batch))
-        measured = [a for a in self.arms if stats[a].steps]
-        return max(measured, key=lambda a: self._rate(stats, a, batch)) if measured else None
-
-    def _rate(self, stats: dict[str | None, ArmStats], arm: str | None, batch: int) -> float:
-        """``arm``'s rate with its mean pulled towards plain decoding's tokens per step (``batch`` until
-        plain has run)."""
-        plain = stats[None]
-        base = plain.tokens / plain.weight if plain.weight else float(batch)
-        t = self._step_time(stats, arm)
-        return stats[arm].tokens_per_step(base, self.prior_steps) / t if t > 0 else 0.0
-
-    @staticmethod
-    def _step_time(stats: dict[str | None, ArmStats], arm: str | None) -> float:
-        """Seconds of ``arm``'s step at the machine's speed now: a tree's through its ratios to plain."""
-        s, plain = stats[arm], stats[None]
-        if arm is None or not s.ratios or not plain.times:
-            return s.step_time
-        return statistics.median(s.ratios) * plain.step_time
-
-    def cost_ratio(self, arm: str | None, batch: int) -> float | None:
-        """Measured step time of ``arm`` over plain decoding's at this batch (None until both ran)."""
-        stats = self._stats(_bucket(batch))
-        plain, spec = stats[None], stats.get(arm)
-        if arm is None or spec is None or not plain.weight or not spec.weight:
-            return None
-        return self._step_time(stats, arm) / plain.step_time
+    def report(self) -> dict:
+        """Per batch size: steps, drafted steps, mean tokens verified per row, and the predicted against
+        the measured tokens per drafted step."""
+        out = {}
+        for key, s in sorted(self.stats.items()):
+            d = s["drafted"]
+            out[key] = {"steps": int(s["steps"]), "drafted": int(d),
+                        "tree_tokens_per_step": s["tokens"] / d if d else 0.0,
+                        "predicted_tokens_per_step": s["predicted"] / d if d else 0.0,
+                        "measured_tokens_per_step": s["measured"] / d if d else 0.0}
+        return out
 
 
-@dataclass
-class RequestSwitch:
-    """Turns speculation off for a request whose running tokens per step cannot beat ``cost_ratio``."""
-
-    ema: float = 0.8
-    off_steps: int = 16
-
-    def observe(self, st: RequestState, tokens_emitted: int, step: int, cost_ratio: float) -> None:
-        t = float(tokens_emitted) if st.spec_tau is None else st.spec_tau
-        st.spec_tau = self.ema * t + (1 - self.ema) * tokens_emitted
-        if st.spec_tau < cost_ratio:
-            st.speculate = False
-            st.plain_until = step + self.off_steps
-
-    def maybe_probe(self, st: RequestState, step: int) -> None:
-        if not st.speculate and step >= st.plain_until:
-            st.speculate = True
-            st.spec_tau = None
+def _with_ancestors(tree: Tree, node: int) -> set[int]:
+    out = set()
+    while node > 0:
+        out.add(node)
+        node = tree.parents[node]
+    return out

@@ -26,11 +26,17 @@ class Tree:
     tokens: list[int]
     parents: list[int]
     draft_probs: list[torch.Tensor | None] | None = None  # per node: q(. | parent) it was sampled from
+    scores: list[float] | None = None
+    """Per node, the draft's cumulative log-probability of its path (the root: 0), what the acceptance
+    model reads; for a node drawn from q it must not depend on the token drawn (a sampled tree is cut by
+    it, and a cut chosen by the draws themselves would bias the rejection walk)."""
 
     def __post_init__(self):
         check_parents(self.parents)
         if len(self.tokens) != len(self.parents):
             raise ValueError(f"{len(self.tokens)} tokens but {len(self.parents)} parents")
+        if self.scores is not None and len(self.scores) != len(self.tokens):
+            raise ValueError(f"{len(self.tokens)} tokens but {len(self.scores)} scores")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -41,6 +47,19 @@ class Tree:
 
     def children(self) -> list[list[int]]:
         return children_of(self.parents)
+
+
+def prune(tree: Tree, keep) -> Tree:
+    """The subtree of the nodes in ``keep`` (node indices, closed under ancestors) and the root, in the
+    original order; draft probabilities and scores carried over."""
+    kept = sorted({0, *keep})
+    where = {old: new for new, old in enumerate(kept)}
+    for i in kept[1:]:
+        if tree.parents[i] not in where:
+            raise ValueError(f"node {i} is kept without its parent {tree.parents[i]}")
+    pick = lambda xs: None if xs is None else [xs[i] for i in kept]  # noqa: E731
+    return Tree([tree.tokens[i] for i in kept], [-1] + [where[tree.parents[i]] for i in kept[1:]],
+                pick(tree.draft_probs), pick(tree.scores))
 
 
 def check_parents(parents) -> None:
@@ -143,8 +162,9 @@ def select_tree(root: int, pool: list[Node], total_tokens: int, to_target_ids) -
     depth = torch.tensor([[nd.depth for nd in pool]])
     parents = torch.tensor([[nd.parent for nd in pool]])
     nodes, tree_parents = select_nodes(scores, depth, parents, total_tokens - 1)
-    ids = to_target_ids(torch.tensor([pool[j].token for j in nodes[0].tolist()], dtype=torch.long)).tolist()
-    return Tree([root, *ids], [-1, *tree_parents[0].tolist()])
+    kept = nodes[0].tolist()
+    ids = to_target_ids(torch.tensor([pool[j].token for j in kept], dtype=torch.long)).tolist()
+    return Tree([root, *ids], [-1, *tree_parents[0].tolist()], scores=[0.0, *(pool[j].score for j in kept)])
 
 
 # ----------------------------------------------------------------------------- static shapes

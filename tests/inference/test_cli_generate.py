@@ -90,5 +90,5 @@ def test_profile_curve_is_kept_per_dtype(tiny_llama_dir, capsys):
         curves[dtype] = load_profile(target.info.name, target.model)
         assert sorted(curves[dtype]) == [1, 4]
         engine = make_engine(target, NGramProposer(), tree="auto")
-        assert engine.policy.curve.points == {k: [ms / 1000, 1.0] for k, ms in curves[dtype].items()}
+        assert engine.policy.curve.points == {k: [ms / 1000, 20.0] for k, ms in curves[dtype].items()}
     assert curves[torch.float32] != curves[torch.bfloat16]

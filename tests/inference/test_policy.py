@@ -1,285 +1,267 @@
+import itertools
+import math
+import random
+
 import pytest
 import torch
 
+from draftheads.inference.acceptance import AcceptanceModel
+from draftheads.inference.cost import CostCurve, DraftCost
 from draftheads.inference.engine import Engine, EngineConfig
-from draftheads.inference.policy import AutoTree, CostCurve, RequestSwitch
-from draftheads.inference.proposers.base import RequestState
+from draftheads.inference.policy import AutoPolicy, StepPlan
+from draftheads.inference.proposers.base import Proposer, RequestState
 from draftheads.inference.proposers.random_draft import RandomProposer
 from draftheads.inference.sampling import SamplingParams
-from draftheads.inference.tree import parse_tree
+from draftheads.inference.tree import Tree, TreeSpec, chain_parents, depths, parse_tree, prune
 from draftheads.testing import OracleProposer, random_heads
 
-TREES = {n: parse_tree(n) for n in ("chain2", "small", "large")}
+
+def _state(rid=0):
+    return RequestState(rid, 1, [0], SamplingParams(), None)
 
 
-def _drive(pol, tokens, steps, batch=1, seconds=None, first=1.0):
-    """``tokens`` emitted and ``seconds`` (default 1) taken per step by each arm; an arm's first step takes
-    ``first`` seconds instead (its kernels run cold)."""
-    picks = []
-    for _ in range(steps):
-        arm = pol.choose(batch)
-        cold = arm not in picks
-        picks.append(arm)
-        pol.update(arm, batch, tokens=int(tokens[arm]), seconds=first if cold else (seconds or {}).get(arm, 1.0),
-                   query_tokens=1)
-    return picks
+# ----------------------------------------------------------------------------- the acceptance model
 
 
-def test_auto_tree_explores_then_exploits_and_probes_with_backoff():
-    rates = {None: 10, "chain2": 14, "small": 12, "large": 11}  # tokens per step, all at one second a step
-    pol = AutoTree(dict(TREES), explore_steps=2, probe_after=8, max_probe_after=64)
-    picks = _drive(pol, rates, 400)
-    assert picks[:6] == [None, None, "chain2", "chain2", "small", "small"]
-    # small lost to chain2: the larger branching tree waits for small's probes, which keep losing
-    assert "large" not in picks and pol.best(1) == "chain2"
-    assert picks[8:].count("chain2") > 0.9 * len(picks[8:])  # 3 losing arms probed at most every 64 steps
-    probes = [i for i, a in enumerate(picks) if i >= 8 and a != "chain2"]
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert probes and max(gaps) > min(gaps)  # losing arms wait longer after each lost probe
-    assert pol.cost_ratio("chain2", 1) == pytest.approx(1.0)
+def test_acceptance_estimates_converge_to_a_drafters_known_rates():
+    """A drafter whose nodes are accepted with 0.5 x its confidence at depth 1 and 0.25 x at depth 2
+    (over-confident, unlike the prior): the shared estimate converges to those rates."""
+    rng = random.Random(0)
+    model = AcceptanceModel()
+    truth = {1: 0.5, 2: 0.25}
+    for _ in range(4000):
+        c1, c2 = rng.choice([0.35, 0.85]), rng.choice([0.35, 0.85])
+        tree = Tree([0, 1, 2], chain_parents(2), scores=[0.0, math.log(c1), math.log(c1 * c2)])
+        acc = []
+        if rng.random() < truth[1] * c1:
+            acc.append(1)
+            if rng.random() < truth[2] * c1 * c2 / (truth[1] * c1):
+                acc.append(2)
+        model.observe(None, tree, acc)
+    for c in (0.35, 0.85):
+        assert model.probability(None, 1, math.log(c)) == pytest.approx(truth[1] * c, abs=0.05)
+    assert model.probability(None, 2, math.log(0.85 * 0.85)) == pytest.approx(truth[2] * 0.85 * 0.85, abs=0.05)
+    # a node never exceeds its parent
+    tree = Tree([0, 1, 2], chain_parents(2), scores=[0.0, math.log(0.35), math.log(0.34)])
+    v = model.values(None, tree)
+    assert v[2] <= v[1]
 
 
-def test_a_cold_first_step_does_not_make_an_arm_look_slow():
-    # plain's first step is 20x slower (new kernel shapes); it must still win against a chain that
-    # emits 2 tokens per step at three times its cost
-    pol = AutoTree({"chain2": TREES["chain2"]}, explore_steps=2, probe_after=100)
-    picks = _drive(pol, {None: 1, "chain2": 2}, 60, seconds={None: 1.0, "chain2": 3.0}, first=20.0)
-    assert pol.best(1) is None and pol.stats[1][None].step_time == 1.0
-    assert picks[:4] == [None, None, "chain2", "chain2"] and set(picks[4:]) == {None}
+def test_a_requests_own_cells_move_it_away_from_the_shared_estimate():
+    model = AcceptanceModel()
+    model.start(7)
+    tree = Tree([0, 1], [-1, 0], scores=[0.0, math.log(0.85)])
+    for _ in range(30):
+        model.observe(None, tree, [1])  # other requests: always accepted
+    for _ in range(15):
+        model.observe(7, tree, [])  # this one: never
+    assert model.probability(7, 1, math.log(0.85)) < 0.3 < 0.6 < model.probability(None, 1, math.log(0.85))
+    model.finish(7)
+    assert model.probability(7, 1, math.log(0.85)) == model.probability(None, 1, math.log(0.85))
 
 
-def test_a_losing_tree_holds_back_the_larger_trees_of_its_kind_only():
-    trees = {n: parse_tree(n) for n in ("chain1", "chain3", "small", "large")}
-    tokens = {None: 10, "chain1": 5, "chain3": 6, "small": 4, "large": 3}
-    pol = AutoTree(trees, explore_steps=2, probe_after=8, max_probe_after=64)
-    picks = _drive(pol, tokens, 300)
-    # chain1 lost: chain3 waits, but the branching trees are no chains: small is explored, then loses
-    assert picks[:6] == [None, None, "chain1", "chain1", "small", "small"]
-    assert "chain3" not in picks and "large" not in picks
-    assert picks[6:].count("chain1") > 0 and picks[6:].count("small") > 0  # both probed, on their own backoff
+# ----------------------------------------------------------------------------- the cost model
 
 
-def test_a_tree_losing_only_to_a_larger_one_of_its_kind_holds_nothing_back():
-    # chain1 beats plain but loses to chain2: chain3 is explored (the largest explored chain below it,
-    # chain2, is the best), and wins
-    trees = {n: parse_tree(n) for n in ("chain1", "chain2", "chain3")}
-    pol = AutoTree(trees, explore_steps=2, probe_after=8)
-    picks = _drive(pol, {None: 10, "chain1": 12, "chain2": 16, "chain3": 19}, 60)
-    assert picks[:8] == [None, None, "chain1", "chain1", "chain2", "chain2", "chain3", "chain3"]
-    assert pol.best(1) == "chain3"
+def test_cost_curve_interpolates_is_optimistic_past_what_it_measured_and_follows_drift():
+    c = CostCurve()
+    assert c.optimistic(4) is None
+    c.seed({1: 100, 8: 200})
+    assert c.estimate(4) == pytest.approx(0.1 + 0.1 * 3 / 7)
+    assert c.estimate(16) is None and c.optimistic(16) == pytest.approx(0.2)  # a lower bound, until measured
+    for _ in range(200):  # the machine slows down 1.5x: the sizes not measured since follow
+        c.add(1, 0.15)
+    assert c.estimate(1) == pytest.approx(0.15, rel=0.02)
+    assert 0.25 < c.estimate(8) < 0.31  # most of the slowdown is the machine's, not the curve's shape
+    c.add(16, 9.0)  # the first forward of a size runs cold: not counted
+    assert c.estimate(16) is None
+    c.add(16, 0.4)
+    assert c.estimate(16) == pytest.approx(0.4, rel=0.1)
 
 
-def test_a_costlier_probe_waits_longer():
-    # both trees lose to plain; small's steps take 4 of plain's, chain1's 1: with the backoff capped at
-    # 8 steps, small is probed about a quarter as often, so each takes the same share of the time
-    trees = {n: parse_tree(n) for n in ("chain1", "small")}
-    pol = AutoTree(trees, explore_steps=2, probe_after=8, max_probe_after=8)
-    picks = _drive(pol, {None: 10, "chain1": 5, "small": 12}, 400, seconds={None: 1.0, "chain1": 1.0, "small": 4.0})
-    probes = {a: picks[6:].count(a) for a in trees}
-    assert 40 <= probes["chain1"] <= 50 and 9 <= probes["small"] <= 13, probes
+def test_draft_cost_extrapolates_from_the_depths_it_measured():
+    d = DraftCost()
+    assert d.estimate(1, 3, verify=1.0) == pytest.approx(0.15 * 1.5)  # before any measurement
+    d.add(1, 1, 9.0)  # the first draft at each depth runs cold: not counted
+    d.add(1, 1, 0.10)
+    d.add(1, 3, 9.0)
+    d.add(1, 3, 0.30)
+    assert d.estimate(1, 5) == pytest.approx(0.50)
+    assert d.estimate(4, 1, verify=1.0) == pytest.approx(0.15)  # another batch size has its own
 
 
-def test_a_tree_is_judged_at_the_machines_speed_now():
-    # chain2 emits 13 tokens a step where plain emits 10, at 1.4x plain's cost: it loses. After its
-    # exploration the machine slows to 1.5x for every step; by its old times chain2 would now win
-    trees = {"chain2": parse_tree("chain2")}
-    pol = AutoTree(trees, explore_steps=3, probe_after=16)
-    _drive(pol, {None: 10, "chain2": 13}, 40, seconds={None: 1.0, "chain2": 1.4})
-    assert pol.best(1) is None
-    slow = _drive(pol, {None: 10, "chain2": 13}, 200, seconds={None: 1.5, "chain2": 2.1})
-    assert pol.best(1) is None and slow.count("chain2") <= 4, slow.count("chain2")
-    assert pol.cost_ratio("chain2", 1) == pytest.approx(1.4)
+# ----------------------------------------------------------------------------- the choice of nodes
 
 
-def test_one_lucky_probe_does_not_make_a_losing_arm_the_best():
-    # chain1 costs 1.5 plain steps and emits 1 token, but 2 on one probe long after its exploration (its
-    # older steps decayed away): on its own that step would beat plain, and chain3 would be explored
-    trees = {n: parse_tree(n) for n in ("chain1", "chain3")}
-    for prior, flips in ((1.0, False), (0.0, True)):
-        pol = AutoTree(trees, explore_steps=2, probe_after=40, prior_steps=prior)
-        picks, chain1 = [], 0
-        for _ in range(200):
-            arm = pol.choose(1)
-            chain1 += arm == "chain1"
-            tokens = 2 if arm == "chain1" and chain1 == 3 else 1
-            pol.update(arm, 1, tokens=tokens, seconds=1.5 if arm else 1.0, query_tokens=1)
-            picks.append(arm)
-        assert chain1 >= 3
-        assert ("chain3" in picks) == flips, prior
+def _closed_subsets(tree):
+    nodes = range(1, len(tree))
+    for r in range(len(tree)):
+        for sub in itertools.combinations(nodes, r):
+            if all(tree.parents[i] == 0 or tree.parents[i] in sub for i in sub):
+                yield set(sub)
 
 
-def test_auto_tree_keeps_measurements_per_batch_size_and_skips_trees_that_cannot_pay():
-    pol = AutoTree(dict(TREES), explore_steps=1)
-    curve = CostCurve()
-    curve.seed({1: 10.0, 16: 12.0, 64: 40.0, 1024: 800.0})
-    pol.curve = curve
-    assert pol.can_pay("large", 1) and not pol.can_pay("large", 16)  # 16 x 48 tokens: 7 x the cost at most
-    picks = _drive(pol, {None: 10, "chain2": 9, "small": 9, "large": 9}, 10, batch=16)
-    assert "large" not in picks, [(i, a) for i, a in enumerate(picks) if a]
-    assert pol.stats[16][None].steps and 1 not in pol.stats
+@pytest.mark.parametrize("seed", range(6))
+def test_the_chosen_trees_are_the_brute_force_optimum(seed):
+    """Over every tree closed under ancestors in two rows' pools, the policy's choice has the best expected
+    tokens per second by its own models."""
+    rng = random.Random(seed)
+    pol = AutoPolicy(TreeSpec(depth=3, top_k=2, total_tokens=8))
+    slope = rng.choice([0.01, 0.05, 0.2])
+    pol.curve.seed({n: 1000 * (1 + slope * (n - 1)) for n in (1, 2, 4, 8, 16)})
+    rows = [_state(0), _state(1)]
+    for st in rows:
+        pol.start(st)
+    pools = []
+    for _ in rows:
+        parents = [-1, 0, 0, 1, 1, 3]
+        s = [0.0]
+        for i in range(1, len(parents)):
+            s.append(s[parents[i]] + math.log(rng.uniform(0.05, 0.95)))
+        pools.append(Tree(list(range(len(parents))), parents, scores=s))
+    draft = rng.choice([0.0, 0.1, 0.5])
+    plan = StepPlan(rows, pol.pool)
+    for st in rows:
+        st.gate.probing = False
+    chosen = pol.select(rows, plan, pools, draft)
+    values = [pol.acceptance.values(st.rid, t) for st, t in zip(rows, pools)]
+
+    def rate(subs):
+        n = sum(len(s) for s in subs)
+        return (2 + sum(v[i] for v, s in zip(values, subs) for i in s)) / (draft + pol.verify_time(2 + n))
+
+    best = max(rate(pair) for pair in itertools.product(*(list(_closed_subsets(t)) for t in pools)))
+    got = [set(range(1, len(t))) for t in chosen]  # the chosen trees as node sets of the pools
+    kept = []
+    for t, pool in zip(chosen, pools):
+        idx = [pool.scores.index(x) for x in t.scores[1:]]
+        kept.append(set(idx))
+        assert prune(pool, idx).tokens == t.tokens
+    assert len(got) == 2 and rate(kept) == pytest.approx(best)
 
 
-def test_an_arm_losing_at_one_batch_size_is_probed_not_explored_where_it_cannot_pay():
-    trees = {n: parse_tree(n) for n in ("chain2", "small", "large")}
-    per_row = {None: 1.0, "chain2": 1.0, "small": 2.0, "large": 2.0}  # tokens per row and step
-
-    def run(tokens_per_row, batch, steps, pol):
-        picks = []
-        for _ in range(steps):
-            arm = pol.choose(batch)
-            q = batch * (trees[arm].total_tokens if arm else 1)
-            pol.update(arm, batch, tokens=round(batch * tokens_per_row[arm]), seconds=pol.curve.at_least(q),
-                       query_tokens=q)
-            picks.append(arm)
-        return picks
-
-    def policy():
-        pol = AutoTree(dict(trees), explore_steps=2, probe_after=30)
-        pol.curve.seed({1: 1000, 4: 2000, 16: 2000, 64: 4000, 256: 9000})  # ms by query tokens
-        return pol
-
-    pol = policy()
-    assert run(per_row, 1, 40, pol)[:6] == [None, None, "chain2", "chain2", "small", "small"]
-    assert pol.best(1) is None and not pol.stats[1]["large"].steps  # small lost and held large back
-    picks = run(per_row, 16, 40, pol)  # 48 and 192 query tokens: 3.3 s and 7.3 s against plain's 2 s
-    # no exploration at batch 16, not even of large, which small held back at batch 1 and holds back here
-    assert picks[:2] == [None, None] and picks[2:30] == [None] * 28
-    assert "large" not in picks, [(i, a) for i, a in enumerate(picks) if a]
-    assert {"chain2", "small"} <= set(picks[30:])  # probed once their first wait is over
-    # what paid at batch 1 is explored at batch 16 as before
-    pol = policy()
-    run({None: 1.0, "chain2": 3.0, "small": 2.0, "large": 2.0}, 1, 40, pol)
-    assert pol.best(1) == "chain2" and run(per_row, 16, 4, pol)[2:] == ["chain2", "chain2"]
+# ----------------------------------------------------------------------------- in the engine
 
 
-def test_cost_curve_extrapolates_only_near_what_it_measured():
-    curve = CostCurve()
-    curve.add(1, 0.044)
-    curve.add(2, 0.080)
-    assert curve.estimate(2) == pytest.approx(0.080) and curve.estimate(4) == pytest.approx(0.152)
-    assert curve.estimate(12) is None  # unknown: the tree is tried, not ruled out by a line through 1 and 2
-    pol = AutoTree({"small": parse_tree("small")}, curve=curve)
-    assert pol.can_pay("small", 1)
+class ModelledPolicy(AutoPolicy):
+    """The policy with every measured time replaced by a cost model (a verify forward costs 1 + 0.05 per
+    query token beyond one, a draft depth 0.1), so its decisions do not depend on the machine's load."""
+
+    def select(self, live, plan, pools, draft_seconds):
+        return super().select(live, plan, pools, self._draft(plan))
+
+    def update(self, live, plan, trees, accepted, draft_seconds, verify_seconds, step):
+        q = sum(len(t) for t in trees)
+        if plan.grow is not None:
+            plan.grow.times = {d: 0.1 * d for d in plan.grow.times}
+        super().update(live, plan, trees, accepted, self._draft(plan), 1 + 0.05 * (q - 1), step)
+
+    @staticmethod
+    def _draft(plan):
+        if not plan.drafting:
+            return 0.0
+        return 0.1 * (max(plan.grow.times) if plan.grow is not None and plan.grow.times else plan.spec.depth)
 
 
-def test_request_switch_state_lives_on_the_request():
-    sw = RequestSwitch(ema=0.0, off_steps=3)
-    st = RequestState(0, 1, [1], SamplingParams(), None)
-    sw.observe(st, tokens_emitted=1, step=1, cost_ratio=1.5)  # one token per step cannot pay 1.5x the cost
-    assert not st.speculate and st.plain_until == 4
-    sw.maybe_probe(st, step=2)
-    assert not st.speculate
-    sw.maybe_probe(st, step=4)
-    assert st.speculate and st.spec_tau is None
-    sw.observe(st, tokens_emitted=3, step=5, cost_ratio=1.5)
-    assert st.speculate
-    other = RequestState(0, 1, [1], SamplingParams(), None)  # the same row slot in the next call starts fresh
-    assert other.speculate and other.spec_tau is None
+def _modelled(proposer):
+    return ModelledPolicy.for_proposer(proposer)
 
 
-class CostModelEngine(Engine):
-    """The engine with each step's wall time replaced by a cost model (a fixed cost plus one per query
-    token), so that the policy's decisions do not depend on the load of the machine running the tests."""
-
-    def _credit(self, arm, live, trees, emitted, seconds, left):
-        super()._credit(arm, live, trees, emitted, 1.0 + 0.1 * sum(len(t) for t in trees), left)
-
-
-def _arms_run(engine):
-    return {a: s.steps for b in engine.policy.stats.values() for a, s in b.items()}
-
-
-def test_policy_goes_plain_on_a_useless_proposer(tiny_target):
+def test_auto_keeps_to_plain_decoding_on_a_useless_drafter(tiny_target):
     model = tiny_target.model
-    engine = CostModelEngine(model, proposer=RandomProposer(model.config.vocab_size), tree="auto")
-    params = SamplingParams(max_new_tokens=40, stop_at_eos=False)
+    proposer = RandomProposer(model.config.vocab_size)
+    proposer.auto_pool = TreeSpec(depth=4, top_k=2, total_tokens=12)
+    engine = Engine(model, proposer=proposer, policy=_modelled(proposer))
+    params = SamplingParams(max_new_tokens=60, stop_at_eos=False)
     prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11]]
-    outs = [engine.generate(prompts, params) for _ in range(3)]  # the policy persists across calls
+    outs = [engine.generate(prompts, params) for _ in range(3)]
     plain = Engine(model).generate(prompts, params)
     assert all([o.token_ids for o in out] == [o.token_ids for o in plain] for out in outs)
-    steps = _arms_run(engine)
-    assert steps[None] > 0.85 * sum(steps.values())
-    assert steps["large"] == 0  # pruned after the smaller trees lost
+    drafted = sum(o.metrics.drafts for out in outs for o in out)
+    steps = sum(o.metrics.target_forwards for out in outs for o in out)
+    assert drafted < 0.2 * steps  # probes only, each wait doubling up to max_wait
 
 
 @pytest.mark.parametrize("prompts", [[[5, 6, 7, 8]], [[5, 6, 7, 8], [9, 10, 11]]])
-def test_policy_speculates_with_an_oracle(tiny_target, prompts):
+def test_auto_drafts_deep_with_a_drafter_that_is_always_right(tiny_target, prompts):
     model = tiny_target.model
-    engine = CostModelEngine(model, proposer=OracleProposer(model, 4), tree="auto")
-    params = SamplingParams(max_new_tokens=30, stop_at_eos=False)
+    proposer = OracleProposer(model, 6)
+    proposer.auto_pool = TreeSpec(depth=6, top_k=1, total_tokens=7)
+    engine = Engine(model, proposer=proposer, policy=_modelled(proposer))
+    params = SamplingParams(max_new_tokens=40, stop_at_eos=False)
     for _ in range(2):
         outs = engine.generate(prompts, params)
     plain = Engine(model).generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    steps = _arms_run(engine)
-    assert sum(v for a, v in steps.items() if a is not None) > 3 * steps[None]
-    assert engine.policy.best(len(prompts)) is not None and all(o.metrics.tau > 2 for o in outs)
+    assert all(o.metrics.tau > 4 and o.metrics.drafts > 0.8 * o.metrics.target_forwards for o in outs)
+    report = engine.policy.report()[len(prompts)]
+    # no scores: one confidence bin per depth, learnt from the prior (0.3 ** depth) to be always accepted
+    assert all(engine.policy.acceptance.probability(None, d, None) > 0.85 for d in range(1, 7))
+    assert 0.7 * report["measured_tokens_per_step"] < report["predicted_tokens_per_step"]
 
 
-class _OneRowOracle(OracleProposer):
-    """The target's own continuation for request 0, random tokens for the others."""
+class _TurnsGood(Proposer):
+    """Drafts a chain of 4 with the same confidence throughout: random tokens before the request has
+    ``switch`` tokens, the target's own continuation after (acceptance 0, then about 0.8: the oracle's
+    token is replaced by a random one at a depth with probability 0.2)."""
 
-    name = "one-row-oracle"
+    name = "turns-good"
+    auto_pool = TreeSpec(depth=4, top_k=1, total_tokens=5)
 
-    def __init__(self, model, depth):
-        super().__init__(model, depth)
-        self.random = RandomProposer(model.config.vocab_size)
+    def __init__(self, model, switch):
+        self.oracle, self.switch = OracleProposer(model, 4), switch
+        self.vocab = model.config.vocab_size
+        self.gen = torch.Generator().manual_seed(0)
 
-    def propose(self, st, tree=None):
-        return super().propose(st, tree) if st.rid == 0 else self.random.propose(st, parse_tree(f"chain{self.depth}"))
+    def check_tree(self, tree):
+        pass
+
+    def propose(self, st, tree):
+        if len(st.tokens) < self.switch:
+            tokens = torch.randint(self.vocab, (4,), generator=self.gen).tolist()
+        else:
+            tokens = self.oracle.propose(st).tokens[1:]
+            tokens = [t if torch.rand((), generator=self.gen) < 0.8 else (t + 1) % self.vocab for t in tokens]
+        return Tree([st.root, *tokens], chain_parents(4), scores=[math.log(0.7) * d for d in range(5)])
 
 
-def test_a_batch_is_credited_with_what_its_last_row_advanced(tiny_target):
-    # one row accepts every draft, the other none: the call still takes a step per token of the second
-    # row, so speculating only adds verification work, however many tokens the first row emits
+def test_a_request_whose_drafts_turn_good_drafts_again_within_a_bounded_wait(tiny_target):
     model = tiny_target.model
-    engine = CostModelEngine(model, proposer=_OneRowOracle(model, 4), tree="auto")
+    prompt = [5, 6, 7, 8]
+    switch = len(prompt) + 80
+    proposer = _TurnsGood(model, switch)
+    pol = _modelled(proposer)
+    engine = Engine(model, proposer=proposer, policy=pol)
+    drafted_at = []
+    select = pol.select
+
+    def spy(live, plan, pools, draft_seconds):
+        trees = select(live, plan, pools, draft_seconds)
+        if len(trees[0]) > 1:
+            drafted_at.append(len(live[0].tokens))
+        return trees
+
+    pol.select = spy
+    (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=200, stop_at_eos=False))
+    before = [n for n in drafted_at if n < switch]
+    after = [n for n in drafted_at if n >= switch]
+    assert len(before) < 20  # 80 tokens of rejections: probes, further and further apart
+    # the first probe after the switch comes within the longest wait (plus the probe step itself)
+    assert after and after[0] - switch <= pol.max_wait + 1
+    # and from then on it drafts: most tokens come from accepted drafts
+    assert len(after) > 0.5 * (len(out.token_ids) + len(prompt) - after[0]) / 4
+
+
+def test_a_new_request_drafts_at_once_whatever_the_last_one_learnt(tiny_target):
+    model = tiny_target.model
+    proposer = RandomProposer(model.config.vocab_size)
+    proposer.auto_pool = TreeSpec(depth=2, top_k=1, total_tokens=3)
+    pol = _modelled(proposer)
+    engine = Engine(model, proposer=proposer, policy=pol)
     params = SamplingParams(max_new_tokens=30, stop_at_eos=False)
-    prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    outs = [engine.generate(prompts, params) for _ in range(3)]
-    plain = Engine(model).generate(prompts, params)
-    assert all([o.token_ids for o in out] == [o.token_ids for o in plain] for out in outs)
-    stats = engine.policy.stats[2]
-    assert stats[None].steps > 0.85 * sum(s.steps for s in stats.values())
-    # the drafted steps were credited with two tokens, one per row as a plain step, not the six the rows emit
-    drafted = [s for a, s in stats.items() if a is not None and s.steps]
-    assert drafted and all(s.tokens_per_step() == pytest.approx(2.0) for s in drafted)
-
-
-class _AlwaysChain2(AutoTree):
-    """Always speculates, and says a speculative step costs twice a plain one."""
-
-    def choose(self, batch):
-        return "chain2"
-
-    def cost_ratio(self, arm, batch):
-        return 2.0
-
-
-def test_switch_statistics_do_not_leak_across_generate_calls(tiny_target):
-    model = tiny_target.model
-    policy = _AlwaysChain2({"chain2": parse_tree("chain2")})
-    engine = Engine(model, proposer=RandomProposer(model.config.vocab_size), policy=policy)
-    engine.switch = RequestSwitch(ema=0.0, off_steps=1000)
-    params = SamplingParams(max_new_tokens=12, stop_at_eos=False)
-    a = engine.generate([[5, 6, 7], [5, 6, 7]], params)
-    b = engine.generate([[5, 6, 7], [5, 6, 7]], params)
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    # random drafts cannot pay twice the cost: the switch stops drafting after the first step, and a
-    # new request in the same row slot starts drafting again
-    assert [o.metrics.drafts for o in a + b] == [1, 1, 1, 1]
-    # those switched-off steps are plain steps, and are credited so
-    assert policy.stats[2][None].steps == a[0].metrics.target_forwards - 1 + b[0].metrics.target_forwards - 1
-
-
-def test_a_lone_row_is_left_to_the_policy_arms(tiny_target):
-    """At batch 1 the row is the batch: the policy's plain arm turns drafting off, not the switch."""
-    model = tiny_target.model
-    engine = Engine(model, proposer=RandomProposer(model.config.vocab_size),
-                    policy=_AlwaysChain2({"chain2": parse_tree("chain2")}))
-    engine.switch = RequestSwitch(ema=0.0, off_steps=1000)
-    (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=12, stop_at_eos=False))
-    assert out.metrics.drafts == out.metrics.target_forwards  # every step drafted
+    engine.generate([[5, 6, 7]], params)
+    (out,) = engine.generate([[9, 10, 11]], params)
+    assert out.metrics.drafts >= 1  # its first step is a probe (no plain step is due yet)
 
 
 def test_catch_up_after_plain_steps_gives_the_same_drafts(tiny_target):
@@ -297,12 +279,12 @@ def test_catch_up_after_plain_steps_gives_the_same_drafts(tiny_target):
         drafts = []
         orig = engine._propose
 
-        def propose(live, t):
+        def propose(live):
             if engine.steps in plain_steps:
-                return orig(live, None)
-            out = orig(live, t)
+                return None, [Tree([st.root], [-1]) for st in live]
+            plan, out = orig(live)
             drafts.append((len(live[0].tokens), out[0].tokens))  # keyed by the position in the text
-            return out
+            return plan, out
 
         engine._propose = propose
         (o,) = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_new_tokens=20, stop_at_eos=False))
@@ -313,6 +295,25 @@ def test_catch_up_after_plain_steps_gives_the_same_drafts(tiny_target):
     assert gap_tokens == full_tokens
     after_gap = [n for n in gapped if n in full and n > min(gapped)]
     assert after_gap and all(gapped[n] == full[n] for n in gapped if n in full)
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark", "medusa"])
+def test_auto_is_greedy_identical_for_every_family_and_sizes_its_trees(tiny_target, family):
+    from draftheads.inference.build import make_proposer
+
+    model = tiny_target.model
+    heads = random_heads(model)
+    if family not in heads:
+        pytest.skip(f"no random {family} head")
+    proposer = make_proposer(tiny_target, head=heads[family])
+    engine = Engine(model, proposer=proposer, policy=_modelled(proposer))
+    prompts = [[5, 6, 7, 8, 9], [20, 21, 22]]
+    params = SamplingParams(max_new_tokens=24, stop_at_eos=False)
+    outs = engine.generate(prompts, params)
+    plain = Engine(model).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    report = engine.policy.report()[2]
+    assert report["drafted"] > 0 and report["tree_tokens_per_step"] <= 2 * proposer.auto_pool.total_tokens
 
 
 def test_lazy_and_full_lm_head_give_identical_greedy_output(tiny_target):
@@ -332,7 +333,6 @@ def test_lazy_and_full_lm_head_give_identical_greedy_output(tiny_target):
 
 
 def test_lazy_lm_head_projects_only_the_walked_nodes(tiny_target):
-    from draftheads.inference.tree import Tree
     from draftheads.inference.verify import ExactVerifier, NodeLogits
 
     model = tiny_target.model
@@ -358,3 +358,12 @@ def test_synthetic_verifier_accepts_by_rate(tiny_target):
     engine = Engine(model, proposer=RandomProposer(model.config.vocab_size), tree="chain1", config=cfg)
     (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=300, stop_at_eos=False))
     assert 0.4 < out.metrics.alpha[0] < 0.6
+
+
+def test_prune_keeps_a_subtree_with_its_scores():
+    t = Tree([9, 1, 2, 3, 4], [-1, 0, 0, 1, 3], scores=[0.0, -0.1, -0.2, -0.3, -0.4])
+    p = prune(t, {1, 3})
+    assert (p.tokens, p.parents, p.scores) == ([9, 1, 3], [-1, 0, 1], [0.0, -0.1, -0.3])
+    assert depths(p.parents) == [0, 1, 2]
+    with pytest.raises(ValueError, match="without its parent"):
+        prune(t, {4})

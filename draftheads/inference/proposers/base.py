@@ -4,6 +4,7 @@ hooks to follow the committed sequence."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -24,9 +25,7 @@ class RequestState:
     generator: torch.Generator
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     done: bool = False
-    speculate: bool = True  # a proposer (or the engine's policy) may turn drafting off per request
-    spec_tau: float | None = None  # the per-request switch: running tokens per speculative step
-    plain_until: int = 0  # the per-request switch: engine step at which drafting is probed again
+    gate: object | None = None  # the engine's ``auto`` policy: whether this request drafts (its RowGate)
 
     @property
     def root(self) -> int:
@@ -41,6 +40,14 @@ class RequestState:
         return len(self.tokens) - 1
 
 
+class Growth(Protocol):
+    """How deep a step drafts, decided as it drafts (the engine's ``auto`` policy)."""
+
+    def more(self, depth: int, scores: torch.Tensor) -> bool:
+        """After drafting the nodes at ``depth`` (scores [rows, n]: their cumulative log-probabilities,
+        every row that drafts): whether to draft depth + 1."""
+
+
 class Proposer:
     """Drafts a candidate tree rooted at each request's last emitted token.
 
@@ -49,12 +56,13 @@ class Proposer:
     steps too. Work on them (a draft forward) belongs in :meth:`propose`, so that a step the engine
     decodes plainly costs the proposer nothing.
 
-    ``auto_trees``: the trees ``--tree auto`` chooses among for this proposer (plain decoding besides).
+    ``auto_pool``: the largest tree a step drafts under ``--tree auto``, whose nodes the policy values and
+    keeps as many of as pay (and, drafting depth by depth, how deep it goes).
     """
 
     name = "none"
     layer_ids: tuple[int, ...] = ()
-    auto_trees: tuple[str, ...] = ("chain1", "chain2", "small", "medium", "large")
+    auto_pool: TreeSpec = TreeSpec(depth=8, top_k=4, total_tokens=64, name="auto")
 
     def check_tree(self, tree: TreeSpec) -> None:
         """Raise :class:`DraftheadsError` when this proposer cannot draft ``tree``."""
@@ -71,9 +79,10 @@ class Proposer:
         """A tree of at most ``tree.total_tokens`` nodes and depth ``tree.depth``, rooted at ``state.root``."""
         raise NotImplementedError
 
-    def propose_batch(self, states: list[RequestState], tree: TreeSpec) -> list[Tree]:
+    def propose_batch(self, states: list[RequestState], tree: TreeSpec, grow: Growth | None = None) -> list[Tree]:
         """:meth:`propose` for several requests in one step (proposers that batch their drafting
-        override it)."""
+        override it). ``grow``: asked after each drafted depth whether to draft the next, by proposers
+        that draft depth by depth (the others draft ``tree.depth`` at once)."""
         return [self.propose(st, tree) for st in states]
 
     def observe(self, state: RequestState, hidden: dict[int, torch.Tensor], num_new: int) -> None:

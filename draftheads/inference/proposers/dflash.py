@@ -21,6 +21,7 @@ Markov head) and estimate each draft's survival (:meth:`DFlashProposer.survival`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +45,6 @@ class BlockState:
 
 class DFlashProposer(FollowingProposer):
     name = "dflash"
-    auto_trees = ("chain3", "chain7", "small", "medium")
     state_type = BlockState
 
     def __init__(self, head, target, min_survival: float = 0.0):
@@ -57,6 +57,7 @@ class DFlashProposer(FollowingProposer):
         self.lm_head = target.get_output_embeddings().weight
         self.layer_ids = tuple(head.config.target_layer_ids)
         self._weight = None
+        self.auto_pool = TreeSpec(depth=head.config.drafts_per_block, top_k=4, total_tokens=32, name="auto")
 
     def check_tree(self, tree: TreeSpec) -> None:
         super().check_tree(tree)
@@ -138,7 +139,7 @@ class DFlashProposer(FollowingProposer):
         return self.propose_batch([st], tree)[0]
 
     @torch.no_grad()
-    def propose_batch(self, states: list[RequestState], tree: TreeSpec) -> list[Tree]:
+    def propose_batch(self, states: list[RequestState], tree: TreeSpec, grow=None) -> list[Tree]:
         """One head forward per request (contexts differ in length), then the backbone logits of every
         request's block positions in one projection; greedy chains are decoded for all requests together,
         with one read-back."""
@@ -161,18 +162,25 @@ class DFlashProposer(FollowingProposer):
         it), up to where the running survival estimate falls below ``min_survival``."""
         prev = torch.tensor([st.root for st in states], device=out.device)
         alive = torch.ones(len(states), device=out.device)
-        drafts, kept = [], []
+        score = torch.zeros(len(states), device=out.device)
+        drafts, kept, scores = [], [], []
         for d in range(out.shape[1]):
             surv = self.survival(out[:, d], prev)
             if surv is not None:
                 alive = alive * surv
             kept.append(alive >= self.min_survival)
             logits = base[:, d] if (bias := self.bias(prev)) is None else base[:, d] + bias
-            prev = self.head.to_target_ids(logits.argmax(-1))
+            best = torch.log_softmax(logits, -1).max(-1)
+            # a draft's confidence: the confidence head's survival where there is one, else its probability
+            score = alive.clamp(min=1e-30).log() if surv is not None else score + best.values
+            scores.append(score)
+            prev = self.head.to_target_ids(best.indices)
             drafts.append(prev)
         tokens = torch.stack(drafts, 1).tolist()
+        conf = torch.stack(scores, 1).tolist()
         lengths = torch.stack(kept, 1).cumprod(1).sum(1).tolist()  # a chain stops at its first cut
-        return [Tree([st.root, *t[:n]], chain_parents(n)) for st, t, n in zip(states, tokens, lengths)]
+        return [Tree([st.root, *t[:n]], chain_parents(n), scores=[0.0, *c[:n]])
+                for st, t, c, n in zip(states, tokens, conf, lengths)]
 
     def _tree(self, st: RequestState, out: torch.Tensor, base: torch.Tensor, tree: TreeSpec) -> Tree:
         """The top-k tree over the block's positions (out [depth, H], their backbone logits base
@@ -230,7 +238,7 @@ def sample_chain(root: int, depth: int, step_logits, params, generator, to_targe
     ``to_target_probs``) goes on the node for the rejection walk. ``survival(d, prev)`` estimates that
     draft d is accepted once the ones before it were; the chain stops where the running product falls
     below ``min_survival``."""
-    tokens, qs = [root], [None]
+    tokens, qs, scores = [root], [None], [0.0]
     alive = 1.0
     for d in range(depth):
         if survival is not None:
@@ -238,6 +246,9 @@ def sample_chain(root: int, depth: int, step_logits, params, generator, to_targe
             if alive < min_survival:
                 break
         q = to_target_probs(target_probs(step_logits(d, tokens[-1]), params))
+        # confidence from q alone (the chance two draws agree), never from the token drawn: the policy
+        # cuts sampled chains by it
+        scores.append(scores[-1] + math.log(max(float(q.square().sum()), 1e-30)))
         tokens.append(draw(q, generator))
         qs.append(q)
-    return Tree(tokens, chain_parents(len(tokens) - 1), qs)
+    return Tree(tokens, chain_parents(len(tokens) - 1), qs, scores)

@@ -22,7 +22,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from draftheads.inference.draft_kv import DraftKV
 from draftheads.inference.projection import vocab_logits
-from draftheads.inference.proposers.base import FollowingProposer, RequestState
+from draftheads.inference.proposers.base import FollowingProposer, Growth, RequestState
 from draftheads.inference.tree import Tree, TreeSpec, select_nodes
 
 
@@ -118,7 +118,7 @@ class DraftTreeProposer(FollowingProposer):
         return self.propose_batch([st], tree)[0]
 
     @torch.no_grad()
-    def propose_batch(self, states: list[RequestState], tree: TreeSpec) -> list[Tree]:
+    def propose_batch(self, states: list[RequestState], tree: TreeSpec, grow: Growth | None = None) -> list[Tree]:
         self._catch_up(states)
         rids = [st.rid for st in states]
         lengths = [self.kv.length[r] for r in rids]
@@ -139,6 +139,8 @@ class DraftTreeProposer(FollowingProposer):
         f_anc = torch.zeros(r, k, anc.shape[2], dtype=torch.bool, device=device)  # entries above each frontier node
         size = k
         for d in range(1, tree.depth):
+            if grow is not None and not grow.more(d, score[-1]):
+                break
             # the frontier becomes entries e0 .. e0 + k - 1; each sees the committed prefix and its ancestors
             e0 = (d - 1) * k
             own = torch.arange(e0, e0 + k, device=device)
@@ -168,8 +170,10 @@ class DraftTreeProposer(FollowingProposer):
         depth = torch.cat([torch.full_like(t, n) for t, n in zip(tok, dep)], 1)
         nodes, parents = select_nodes(torch.cat(score, 1), depth, torch.cat(par, 1), tree.total_tokens - 1)
         ids = self.to_target_ids(torch.cat(tok, 1).gather(1, nodes))
-        host = torch.stack([ids, parents]).tolist()  # the step's one read-back
-        return [Tree([st.root, *t], [-1, *p]) for st, t, p in zip(states, host[0], host[1])]
+        kept = torch.cat(score, 1).gather(1, nodes)
+        host = torch.stack([ids.double(), parents.double(), kept.double()]).tolist()  # the step's one read-back
+        return [Tree([st.root, *map(int, t)], [-1, *map(int, p)], scores=[0.0, *s])
+                for st, t, p, s in zip(states, host[0], host[1], host[2])]
 
     @property
     def head_device(self):

@@ -14,7 +14,6 @@ from draftheads.inference.tree import Tree, TreeSpec, static_tree
 class MedusaProposer(Proposer):
     name = "medusa"
 
-    auto_trees = ("chain1", "chain2", "chain4", "small", "medium")
 
     def __init__(self, head, target):
         self.head = head.eval()
@@ -22,6 +21,7 @@ class MedusaProposer(Proposer):
         self.target_lm_head = target.get_output_embeddings().weight
         self.num_heads = head.config.num_heads
         self.last: dict[int, torch.Tensor] = {}
+        self.auto_pool = TreeSpec(depth=self.num_heads, top_k=4, total_tokens=32, name="auto")
 
     def check_tree(self, tree: TreeSpec) -> None:
         tree.shape(self.num_heads)  # a tree file deeper than the head is refused
@@ -41,10 +41,12 @@ class MedusaProposer(Proposer):
         top_k = max(max(p) for p in paths[1:]) + 1
         h = self.last[st.rid].to(self.target_lm_head.dtype)
         feats = self.head(h[None])[:, 0]  # [K, H]
-        top = []
+        top, logp = [], []
         for d in range(max(len(p) for p in paths)):
             logits = feats[d] @ self.head.projection(d, self.target_lm_head).T
-            idx = torch.topk(logits, min(top_k, logits.numel())).indices
-            top.append(self.head.to_target_ids(idx).tolist())
+            best = torch.topk(torch.log_softmax(logits.float(), -1), min(top_k, logits.numel()))
+            top.append(self.head.to_target_ids(best.indices).tolist())
+            logp.append(best.values.tolist())
         tokens = [st.root] + [top[len(p) - 1][p[-1]] for p in paths[1:]]
-        return Tree(tokens, list(parents))
+        scores = [0.0] + [sum(logp[d][r] for d, r in enumerate(p)) for p in paths[1:]]
+        return Tree(tokens, list(parents), scores=scores)

@@ -11,7 +11,7 @@ from draftheads.inference.tree import Tree, TreeSpec, chain_parents
 
 class NGramProposer(Proposer):
     name = "ngram"
-    auto_trees = ("chain2", "chain4", "chain8")
+    auto_pool = TreeSpec(depth=8, top_k=1, total_tokens=9, name="auto")
 
     def __init__(self, max_n: int = 4, min_n: int = 1):
         if not 1 <= min_n <= max_n:

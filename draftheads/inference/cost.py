@@ -1,0 +1,133 @@
+"""What a step costs on this machine, measured as the engine runs: the target's verify forward by the
+number of query tokens in it (the verify curve, seeded by ``draftheads profile``), and the draft by
+batch size and depth.
+
+Both are optimistic where they have not measured: a forward over more query tokens costs at least the
+longest one measured at fewer, and one more draft depth at least a quarter of the first. So a larger
+tree or a deeper draft is tried once before it is ruled out, and then it is known.
+
+The machine's speed drifts (plain decoding here went from 22 to 14 tok/s within an hour), and a size
+measured long ago would be judged by another speed. Every measurement moves one drift factor by its
+ratio to the curve's estimate, and the curve keeps its points at the speed of the factor: sizes
+measured at different times stay comparable.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
+"""Query-token counts the curve keeps points at (a step is counted at the next one up)."""
+
+
+def grid_key(tokens: int) -> int:
+    """The grid point a forward of ``tokens`` query tokens is kept at (powers of two past the grid)."""
+    i = bisect.bisect_left(GRID, tokens)
+    return GRID[i] if i < len(GRID) else 1 << math.ceil(math.log2(tokens))
+
+
+@dataclass
+class CostCurve:
+    """Seconds of a verify forward by query tokens: a mean per grid point (the curve's shape, learnt fast
+    at first, then slowly), times a drift factor every measurement moves (the machine's speed now)."""
+
+    drift_rate: float = 0.1
+    min_rate: float = 0.01  # a point's mean moves at least this share of the way to each measurement
+    seed_count: int = 20  # a profiled point counts as this many measurements
+    points: dict[int, list[float]] = field(default_factory=dict)  # grid key -> [seconds / drift, count]
+    drift: float = 1.0
+    seen: set = field(default_factory=set)
+
+    def seed(self, ms_by_tokens: dict[int, float]) -> None:
+        """Points from ``draftheads profile`` (milliseconds by query tokens)."""
+        for n, ms in ms_by_tokens.items():
+            self.points[grid_key(int(n))] = [ms / 1000 / self.drift, float(self.seed_count)]
+            self.seen.add(grid_key(int(n)))
+
+    def add(self, tokens: int, seconds: float) -> None:
+        """One measured forward. The first at each size ran its kernel shapes cold: not counted."""
+        key = grid_key(tokens)
+        if key not in self.seen:
+            self.seen.add(key)
+            return
+        est = self.estimate(tokens)
+        if est:
+            ratio = min(max(seconds / est, 0.5), 2.0)  # one stalled step moves the factor a little
+            self.drift *= ratio ** self.drift_rate
+        p = self.points.setdefault(key, [0.0, 0.0])
+        p[1] += 1
+        p[0] += max(1 / p[1], self.min_rate) * (seconds / self.drift - p[0])
+
+    def _known(self) -> list[tuple[int, float]]:
+        return sorted((n, t) for n, (t, count) in self.points.items() if count > 0)
+
+    def estimate(self, tokens: int) -> float | None:
+        """Seconds of a forward of ``tokens`` query tokens, interpolated between measured sizes; None
+        outside them."""
+        known = self._known()
+        keys = [n for n, _ in known]
+        i = bisect.bisect_left(keys, tokens)
+        if not known or i == len(known) or (i == 0 and keys[0] != tokens):
+            return None
+        if keys[i] == tokens or i == 0:
+            return known[i][1] * self.drift
+        (n0, t0), (n1, t1) = known[i - 1], known[i]
+        return (t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)) * self.drift
+
+    def optimistic(self, tokens: int) -> float | None:
+        """:meth:`estimate`, or past the largest size measured, that size's time (a lower bound); below
+        the smallest, the smallest's. None before any measurement."""
+        est = self.estimate(tokens)
+        if est is not None:
+            return est
+        known = self._known()
+        if not known:
+            return None
+        below = [t for n, t in known if n <= tokens]
+        return (max(below) if below else known[0][1]) * self.drift
+
+    def weight(self, tokens: int) -> float:
+        """How many measurements the point of ``tokens`` holds."""
+        p = self.points.get(grid_key(tokens))
+        return p[1] if p else 0.0
+
+
+@dataclass
+class DraftCost:
+    """Seconds of drafting ``depth`` levels for a batch of rows: decayed means per (batch key, depth)."""
+
+    decay: float = 0.9
+    first_share: float = 0.15  # before any measurement: the first depth as a share of a verify forward
+    depth_share: float = 0.25  # before a second depth is measured: each further depth as a share of the first
+    points: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    seen: set = field(default_factory=set)
+
+    def add(self, batch: int, depth: int, seconds: float) -> None:
+        """One measured draft; the first at each (batch, depth) ran its shapes cold: not counted."""
+        key = (grid_key(batch), depth)
+        if key not in self.seen:
+            self.seen.add(key)
+            return
+        p = self.points.setdefault(key, [0.0, 0.0])
+        p[0] = p[0] * self.decay + seconds
+        p[1] = p[1] * self.decay + 1
+
+    def estimate(self, batch: int, depth: int, verify: float | None = None) -> float:
+        """Seconds to draft ``depth`` levels for ``batch`` rows: measured, or the line through the first
+        depth and the measured per-depth increments (optimistic before they are measured); ``verify``,
+        a verify forward's seconds, scales the guess before anything was measured."""
+        if depth <= 0:
+            return 0.0
+        b = grid_key(batch)
+        got = {d: s / w for (bb, d), (s, w) in self.points.items() if bb == b and w > 0}
+        if depth in got:
+            return got[depth]
+        if not got:
+            return self.first_share * (verify or 0.0) * (1 + self.depth_share * (depth - 1))
+        d0 = min(got)
+        first = got[d0] / (1 + self.depth_share * (d0 - 1))
+        steps = [(got[d] - got[d0]) / (d - d0) for d in got if d > d0]
+        per = sum(steps) / len(steps) if steps else self.depth_share * first
+        return max(got[d0] + per * (depth - d0), 0.0) if depth > d0 else first * (1 + self.depth_share * (depth - 1))
