@@ -96,19 +96,27 @@ class AcceptanceModel:
         self.requests.pop(rid, None)
 
     def probability(self, rid: int | None, depth: int, score: float | None) -> float:
-        """Probability that a node at ``depth`` with cumulative log-probability ``score`` is accepted."""
-        g, b = depth_group(depth), conf_bin(score)
-        prior = UNKNOWN_PRIOR ** depth if b == UNKNOWN else CENTRES[b]
-        p = self.shared.rate(g, b, prior, self.prior_weight)
+        """Probability that a node at ``depth`` with cumulative log-probability ``score`` is accepted. A
+        cell's prior is the cell of the same confidence one depth up (depth 1: the confidence itself, or
+        ``UNKNOWN_PRIOR`` without one), so what is learnt where the draft runs often carries to depths it
+        has rarely reached."""
+        b = conf_bin(score)
         own = self.requests.get(rid)
-        return p if own is None else own.rate(g, b, p, self.request_weight)
+        p = UNKNOWN_PRIOR if b == UNKNOWN else CENTRES[b]
+        for g in range(1, depth_group(depth) + 1):
+            if b == UNKNOWN and g > 1:
+                p *= UNKNOWN_PRIOR  # a further unscored node also needs the one before it
+            p = self.shared.rate(g, b, p, self.prior_weight)
+        return p if own is None else own.rate(depth_group(depth), b, p, self.request_weight)
 
     def reach(self, rid: int | None, depth: int) -> float:
-        """Probability that the walk goes on to ``depth`` once it reached ``depth - 1`` with children there."""
-        g = depth_group(depth)
-        p = self.shared.reach(g, 0.5, self.prior_weight)
+        """Probability that the walk goes on to ``depth`` once it reached ``depth - 1`` with children there
+        (the prior of each depth: the one before it)."""
+        p = 0.5
+        for g in range(1, depth_group(depth) + 1):
+            p = self.shared.reach(g, p, self.prior_weight)
         own = self.requests.get(rid)
-        return p if own is None else own.reach(g, p, self.request_weight)
+        return p if own is None else own.reach(depth_group(depth), p, self.request_weight)
 
     def values(self, rid: int | None, tree: Tree) -> list[float]:
         """Per node, the probability that it is accepted (the root: 1), each capped by its parent's."""

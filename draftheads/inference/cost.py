@@ -34,7 +34,8 @@ class CostCurve:
     at first, then slowly), times a drift factor every measurement moves (the machine's speed now)."""
 
     drift_rate: float = 0.1
-    min_rate: float = 0.01  # a point's mean moves at least this share of the way to each measurement
+    min_rate: float = 0.05  # a point's mean moves at least this share of the way to each measurement
+    explore: float = 0.3
     seed_count: int = 20  # a profiled point counts as this many measurements
     points: dict[int, list[float]] = field(default_factory=dict)  # grid key -> [seconds / drift, count]
     drift: float = 1.0
@@ -61,7 +62,15 @@ class CostCurve:
         p[0] += max(1 / p[1], self.min_rate) * (seconds / self.drift - p[0])
 
     def _known(self) -> list[tuple[int, float]]:
-        return sorted((n, t) for n, (t, count) in self.points.items() if count > 0)
+        """The points, optimistic where they are uncertain: a point of few measurements is lowered by its
+        uncertainty (``explore`` / sqrt(count)), and none costs more than a larger size measured (a forward
+        over more tokens is not faster). A size first measured on a slow or cold step is so tried again
+        rather than ruled out for good (a profiled point, or one measured as often, is taken as it is)."""
+        pts = sorted((n, t * (1 - self.explore / math.sqrt(count)) if count < self.seed_count else t)
+                     for n, (t, count) in self.points.items() if count > 0)
+        for i in range(len(pts) - 2, -1, -1):
+            pts[i] = (pts[i][0], min(pts[i][1], pts[i + 1][1]))
+        return pts
 
     def estimate(self, tokens: int) -> float | None:
         """Seconds of a forward of ``tokens`` query tokens, interpolated between measured sizes; None
@@ -87,6 +96,28 @@ class CostCurve:
             return None
         below = [t for n, t in known if n <= tokens]
         return (max(below) if below else known[0][1]) * self.drift
+
+    def table(self, lo: int, hi: int) -> list[float | None]:
+        """:meth:`optimistic` for every token count from ``lo`` to ``hi``, in one pass."""
+        known = self._known()
+        if not known:
+            return [None] * (hi - lo + 1)
+        out, i, top = [], 0, 0.0
+        for q in range(lo, hi + 1):
+            while i < len(known) and known[i][0] < q:
+                top = max(top, known[i][1])
+                i += 1
+            if i < len(known) and known[i][0] == q:
+                t = known[i][1]
+            elif i == 0:
+                t = known[0][1]
+            elif i == len(known):
+                t = top
+            else:
+                (n0, t0), (n1, t1) = known[i - 1], known[i]
+                t = t0 + (t1 - t0) * (q - n0) / (n1 - n0)
+            out.append(t * self.drift)
+        return out
 
     def weight(self, tokens: int) -> float:
         """How many measurements the point of ``tokens`` holds."""

@@ -162,19 +162,23 @@ class AutoPolicy:
         b = len(live)
         values = {st.rid: self.acceptance.values(st.rid, t) for st, t in zip(plan.drafting, pools)}
         pool_of = {st.rid: t for st, t in zip(plan.drafting, pools)}
-        cands = []  # (value, depth, row id, node)
+        cands = []  # (value, score, depth, row id, node)
         for st, t in zip(plan.drafting, pools):
             d = depths(t.parents)
-            cands.extend((values[st.rid][i], d[i], st.rid, i) for i in range(1, len(t)))
-        cands.sort(key=lambda c: (-c[0], c[1], c[2], c[3]))
-        best_n, best_rate, total = 0, b / (draft_seconds + self.verify_time(b)), 0.0
+            sc = t.scores or [0.0] * len(t)
+            cands.extend((values[st.rid][i], sc[i], d[i], st.rid, i) for i in range(1, len(t)))
+        # equal values (one calibration cell) are ranked by the draft's own score, as EAGLE-2 ranks them; a
+        # node's score is below its parent's, so a parent still comes first
+        cands.sort(key=lambda c: (-c[0], -c[1], c[2], c[3], c[4]))
+        times = [1.0 if t is None else t for t in self.curve.table(b, b + len(cands))]
+        best_n, best_rate, total = 0, b / (draft_seconds + times[0]), 0.0
         for n, c in enumerate(cands, 1):
             total += c[0]
-            rate = (b + total) / (draft_seconds + self.verify_time(b + n))
+            rate = (b + total) / (draft_seconds + times[n])
             if rate > best_rate:
                 best_n, best_rate = n, rate
         keep: dict[int, set[int]] = {st.rid: set() for st in plan.drafting}
-        for _, _, rid, i in cands[:best_n]:
+        for *_, rid, i in cands[:best_n]:
             keep[rid].add(i)
         for st in plan.drafting:  # a probe is measured on at least its best node
             if st.gate.probing and not keep[st.rid] and len(pool_of[st.rid]) > 1:

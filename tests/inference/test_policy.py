@@ -76,6 +76,9 @@ def test_cost_curve_interpolates_is_optimistic_past_what_it_measured_and_follows
     c.add(16, 9.0)  # the first forward of a size runs cold: not counted
     assert c.estimate(16) is None
     c.add(16, 0.4)
+    assert 0.25 < c.estimate(16) < 0.4  # one measurement: taken optimistically until it is confirmed
+    for _ in range(30):
+        c.add(16, 0.4)
     assert c.estimate(16) == pytest.approx(0.4, rel=0.1)
 
 
@@ -367,3 +370,22 @@ def test_prune_keeps_a_subtree_with_its_scores():
     assert depths(p.parents) == [0, 1, 2]
     with pytest.raises(ValueError, match="without its parent"):
         prune(t, {4})
+
+
+def test_cost_table_is_the_optimistic_estimate_at_every_size():
+    c = CostCurve()
+    assert c.table(1, 3) == [None] * 3
+    c.seed({2: 100, 8: 200, 16: 260})
+    c.drift = 1.3
+    assert c.table(1, 40) == pytest.approx([c.optimistic(q) for q in range(1, 41)])
+
+
+def test_a_size_measured_slow_once_is_not_ruled_out_for_good():
+    c = CostCurve()
+    c.seed({1: 40, 16: 60})
+    for t in (0.0, 0.09):  # the first forward of a size is cold and dropped; then one slow step
+        c.add(10, t)
+    assert c.estimate(10) <= c.estimate(16)  # no dearer than the larger size measured
+    for _ in range(40):
+        c.add(10, 0.05)
+    assert c.estimate(10) == pytest.approx(0.05, rel=0.1)
