@@ -85,6 +85,7 @@ class AcceptanceModel:
     request_weight: float = 4.0  # pseudo-observations of the shared estimate in a request's cells
     shared: Cells = field(default_factory=lambda: Cells(0.995))
     requests: dict[int, Cells] = field(default_factory=dict)
+    _shared_rate: dict = field(default_factory=dict, repr=False)  # (group, bin) -> shared estimate, until the next observation
 
     def __post_init__(self):
         self.shared.decay = self.shared_decay
@@ -97,17 +98,37 @@ class AcceptanceModel:
 
     def probability(self, rid: int | None, depth: int, score: float | None) -> float:
         """Probability that a node at ``depth`` with cumulative log-probability ``score`` is accepted. A
-        cell's prior is the cell of the same confidence one depth up (depth 1: the confidence itself, or
-        ``UNKNOWN_PRIOR`` without one), so what is learnt where the draft runs often carries to depths it
-        has rarely reached."""
-        b = conf_bin(score)
+        shared cell's prior is its confidence times the depth's :meth:`scale` (unscored nodes: the cell one
+        depth up times ``UNKNOWN_PRIOR``), so what is learnt where the draft is verified often carries to
+        the cells it rarely reaches; a request's cell starts from the shared one."""
+        b, g = conf_bin(score), depth_group(depth)
         own = self.requests.get(rid)
-        p = UNKNOWN_PRIOR if b == UNKNOWN else CENTRES[b]
-        for g in range(1, depth_group(depth) + 1):
-            if b == UNKNOWN and g > 1:
-                p *= UNKNOWN_PRIOR  # a further unscored node also needs the one before it
-            p = self.shared.rate(g, b, p, self.prior_weight)
-        return p if own is None else own.rate(depth_group(depth), b, p, self.request_weight)
+        p = self._shared_rate.get((g, b))
+        if p is None:
+            p = self._shared_rate[g, b] = self._shared(g, b)
+        return p if own is None else own.rate(g, b, p, self.request_weight)
+
+    def _shared(self, g: int, b: int) -> float:
+        if b == UNKNOWN:
+            p = UNKNOWN_PRIOR
+            for d in range(1, g + 1):
+                if d > 1:
+                    p *= UNKNOWN_PRIOR  # a further unscored node also needs the one before it
+                p = self.shared.rate(d, b, p, self.prior_weight)
+            return p
+        return self.shared.rate(g, b, min(0.95, CENTRES[b] * self.scale(g)), self.prior_weight)
+
+    def scale(self, g: int) -> float:
+        """How much more (or less) often the shared cells of depth group ``g`` are accepted than their
+        confidence says, over every bin: the prior of a cell seldom verified (a low-ranked node, which a
+        tree rarely carries), so an under- or over-confident draft is believed as it has proved itself
+        where it is verified often. Each depth's scale starts from the one above it (1 at depth 1)."""
+        f = 1.0
+        for d in range(1, g + 1):
+            hits = sum(self.shared.hits[d][:UNKNOWN])
+            expected = sum(n * c for n, c in zip(self.shared.tries[d][:UNKNOWN], CENTRES))
+            f = min(max((hits + self.prior_weight * f) / (expected + self.prior_weight), 0.25), 4.0)
+        return f
 
     def reach(self, rid: int | None, depth: int) -> float:
         """Probability that the walk goes on to ``depth`` once it reached ``depth - 1`` with children there
@@ -136,6 +157,7 @@ class AcceptanceModel:
         kids = tree.children()
         took = set(accepted)
         cells = [self.shared] + ([self.requests[rid]] if rid in self.requests else [])
+        self._shared_rate.clear()
         for c in cells:
             c.fade()
         for i in range(1, len(tree)):

@@ -53,7 +53,7 @@ class CostCurve:
         if key not in self.seen:
             self.seen.add(key)
             return
-        est = self.estimate(tokens)
+        est = self.estimate(tokens, optimistic=False)  # the drift is read off the points as measured
         if est:
             ratio = min(max(seconds / est, 0.5), 2.0)  # one stalled step moves the factor a little
             self.drift *= ratio ** self.drift_rate
@@ -61,21 +61,22 @@ class CostCurve:
         p[1] += 1
         p[0] += max(1 / p[1], self.min_rate) * (seconds / self.drift - p[0])
 
-    def _known(self) -> list[tuple[int, float]]:
-        """The points, optimistic where they are uncertain: a point of few measurements is lowered by its
-        uncertainty (``explore`` / sqrt(count)), and none costs more than a larger size measured (a forward
+    def _known(self, optimistic: bool = True) -> list[tuple[int, float]]:
+        """The points as measured, or ``optimistic``: a point of few measurements lowered by its
+        uncertainty (``explore`` / sqrt(count)), and none dearer than a larger size measured (a forward
         over more tokens is not faster). A size first measured on a slow or cold step is so tried again
         rather than ruled out for good (a profiled point, or one measured as often, is taken as it is)."""
-        pts = sorted((n, t * (1 - self.explore / math.sqrt(count)) if count < self.seed_count else t)
+        pts = sorted((n, t * (1 - self.explore / math.sqrt(count)) if optimistic and count < self.seed_count else t)
                      for n, (t, count) in self.points.items() if count > 0)
-        for i in range(len(pts) - 2, -1, -1):
-            pts[i] = (pts[i][0], min(pts[i][1], pts[i + 1][1]))
+        if optimistic:
+            for i in range(len(pts) - 2, -1, -1):
+                pts[i] = (pts[i][0], min(pts[i][1], pts[i + 1][1]))
         return pts
 
-    def estimate(self, tokens: int) -> float | None:
+    def estimate(self, tokens: int, optimistic: bool = True) -> float | None:
         """Seconds of a forward of ``tokens`` query tokens, interpolated between measured sizes; None
         outside them."""
-        known = self._known()
+        known = self._known(optimistic)
         keys = [n for n, _ in known]
         i = bisect.bisect_left(keys, tokens)
         if not known or i == len(known) or (i == 0 and keys[0] != tokens):

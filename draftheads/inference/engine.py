@@ -258,7 +258,9 @@ class Engine:
             plan, trees = self._propose(live)
             t_draft = time.perf_counter() - t_step
             logits, hidden = self.forward(cache, live, trees, layer_ids)
+            t_walk = time.perf_counter()
             results = self.verifier.verify(live, trees, logits)
+            t_walk = time.perf_counter() - t_walk
             cache.commit_many([(st.rid, res.path) for st, res in zip(live, results)])
             off = 0
             for st, t, res in zip(live, trees, results):
@@ -272,7 +274,7 @@ class Engine:
                 off += len(t)
             if self.policy:
                 self.policy.update(live, plan, trees, [res.accepted for res in results], t_draft,
-                                   time.perf_counter() - t_step - t_draft, self.steps)
+                                   time.perf_counter() - t_step - t_draft - t_walk, t_walk, self.steps)
             if progress:
                 progress(sum(len(st.generated) for st in states))
         wall = time.perf_counter() - t0

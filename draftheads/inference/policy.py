@@ -5,7 +5,9 @@ included, from two models kept as the engine runs.
   drafted node is accepted, from the draft's own confidence in its path, calibrated on every verified
   node, shared by the engine's requests and refined per request.
 * **Cost** (:mod:`draftheads.inference.cost`): seconds of the verify forward by query tokens (the
-  verify curve) and of drafting by batch size and depth, with a drift factor for the machine's speed.
+  verify curve, with a drift factor for the machine's speed) and of drafting by batch size and depth;
+  and here, the seconds of one level of the verification walk (the lazy lm_head projects the nodes of
+  one depth at a time, so a walk costs one projection per accepted depth and the bonus).
 
 A step, for a batch of ``B`` rows:
 
@@ -21,7 +23,8 @@ A step, for a batch of ``B`` rows:
    drafting and verifying beats the step's rate so far.
 3. **Which nodes** (:meth:`AutoPolicy.select`): every drafted node of every row is valued by the
    acceptance model, and the ``n`` best across the batch are verified, ``n`` (0 = plain verify) chosen
-   for the best ``(B + sum of their values) / (draft seconds + verify seconds of B + n tokens)``. So the
+   for the best ``(B + sum of their values) / (draft seconds + verify seconds of B + n tokens + walk
+   seconds of 1 + the longest expected walk)``. So the
    tree's size and shape, per row, follow the draft's confidence and what tokens cost here, not a preset.
    A probing row keeps at least its best node, so that it is measured.
 4. **Keeping the cost model current**: a plain step is run when plain decoding's own point on the curve
@@ -78,6 +81,7 @@ class Grow:
     t0: float = field(default_factory=time.perf_counter)
     expected: float = 0.0  # expected accepted tokens over the batch so far
     nodes: int = 0  # tokens to verify beyond the roots so far (each depth's best top_k per row)
+    longest: float = 0.0  # a rough expected length of the batch's longest walk so far
     times: dict[int, float] = field(default_factory=dict)  # depth -> seconds since drafting began
 
     def more(self, depth: int, scores: torch.Tensor) -> bool:
@@ -87,12 +91,14 @@ class Grow:
         pol, acc = self.policy, self.policy.acceptance
         best = torch.topk(scores.float(), min(self.top_k, scores.shape[1]), dim=1).values.tolist()  # [R, k]
         for st, row in zip(self.rows, best):
-            self.expected += min(1.0, sum(acc.probability(st.rid, depth, s) for s in row))
+            p = min(1.0, sum(acc.probability(st.rid, depth, s) for s in row))
+            self.expected += p
+            self.longest = max(self.longest, p * depth)  # a walk of the row that reaches this depth
         self.nodes += len(self.rows) * len(best[0])
         q, r = self.batch + self.nodes, len(self.rows)
-        t_v, plain = pol.verify_time(q), pol.verify_time(self.batch)
+        t_v, plain, proj = pol.verify_time(q), pol.verify_time(self.batch), pol.walk_time(self.batch)
         d_now = pol.draft.estimate(r, depth, plain)
-        rate = (self.batch + self.expected) / (d_now + t_v)
+        rate = (self.batch + self.expected) / (d_now + t_v + proj * (1 + self.longest))
         # one more depth opens the ones after it: drafting h further depths pays when what they return
         # per second beats the step's rate so far, for some h
         reach = [min(1.0, sum(acc.probability(st.rid, depth, s) for s in row)) for st, row in zip(self.rows, best)]
@@ -101,7 +107,7 @@ class Grow:
             reach = [p * acc.reach(st.rid, depth + h) for st, p in zip(self.rows, reach)]
             gain += sum(reach)
             extra = (max(pol.draft.estimate(r, depth + h, plain) - d_now, 0.0)
-                     + max(pol.verify_time(q + h * r) - t_v, 0.0))
+                     + max(pol.verify_time(q + h * r) - t_v, 0.0) + proj * max(reach))
             if extra <= 0 or gain / extra > rate:
                 return gain > 0
         return False
@@ -120,7 +126,9 @@ class AutoPolicy:
     min_wait: int = 1
     max_wait: int = 32
     plain_every: int = 64
+    walk_decay: float = 0.95
     last_plain: dict[int, int] = field(default_factory=dict)  # batch key -> engine step of its last plain step
+    walk: dict[int, list[float]] = field(default_factory=dict)  # batch key -> [decayed seconds, decayed levels]
     stats: dict[int, dict[str, float]] = field(default_factory=dict)  # batch key -> report counters
 
     @classmethod
@@ -171,10 +179,15 @@ class AutoPolicy:
         # node's score is below its parent's, so a parent still comes first
         cands.sort(key=lambda c: (-c[0], -c[1], c[2], c[3], c[4]))
         times = [1.0 if t is None else t for t in self.curve.table(b, b + len(cands))]
-        best_n, best_rate, total = 0, b / (draft_seconds + times[0]), 0.0
+        proj = self.walk_time(b)
+        # the walk projects one level of the batch per accepted depth: 1 + the longest expected walk
+        best_n, best_rate, total, longest = 0, b / (draft_seconds + times[0] + proj), 0.0, 0.0
+        walked: dict[int, float] = {}
         for n, c in enumerate(cands, 1):
             total += c[0]
-            rate = (b + total) / (draft_seconds + times[n])
+            walked[c[3]] = walked.get(c[3], 0.0) + c[0]
+            longest = max(longest, walked[c[3]])
+            rate = (b + total) / (draft_seconds + times[n] + proj * (1 + longest))
             if rate > best_rate:
                 best_n, best_rate = n, rate
         keep: dict[int, set[int]] = {st.rid: set() for st in plan.drafting}
@@ -187,15 +200,26 @@ class AutoPolicy:
         plan.predicted = b + sum(values[rid][i] for rid, nodes in keep.items() for i in nodes)
         return [prune(pool_of[st.rid], keep[st.rid]) if st.rid in keep else Tree([st.root], [-1]) for st in live]
 
+    def walk_time(self, batch: int) -> float:
+        """Seconds of one level of the verification walk (the lm_head over the batch's nodes at that
+        depth; 0 before measured, and where the target's forward projects every node itself)."""
+        w = self.walk.get(grid_key(batch))
+        return w[0] / w[1] if w and w[1] else 0.0
+
     def update(self, live: list[RequestState], plan: StepPlan, trees: list[Tree], accepted: list[list[int]],
-               draft_seconds: float, verify_seconds: float, step: int) -> None:
-        """Learn from one verified step: the curve, the draft cost, acceptance and every drafting row's gate."""
+               draft_seconds: float, forward_seconds: float, walk_seconds: float, step: int) -> None:
+        """Learn from one verified step: the curve (``forward_seconds``: the target's forward and the
+        step's bookkeeping), the walk's cost per level (``walk_seconds``), the draft cost, acceptance and
+        every drafting row's gate."""
         b = len(live)
         key = grid_key(b)
         q = sum(len(t) for t in trees)
         s = self.stats.setdefault(key, dict.fromkeys(("steps", "drafted", "predicted", "measured", "tokens"), 0.0))
         s["steps"] += 1
-        self.curve.add(q, verify_seconds)
+        self.curve.add(q, forward_seconds)
+        w = self.walk.setdefault(key, [0.0, 0.0])
+        w[0] = w[0] * self.walk_decay + walk_seconds
+        w[1] = w[1] * self.walk_decay + 1 + max(len(a) for a in accepted)
         if q == b:
             self.last_plain[key] = step
         if not plan.drafting:
@@ -211,8 +235,8 @@ class AutoPolicy:
         s["predicted"] += plan.predicted
         s["measured"] += b + sum(len(a) for a in accepted)
         s["tokens"] += q
-        plain = self.verify_time(b)
-        beyond = max(verify_seconds - plain, 0.0)
+        plain = self.verify_time(b) + self.walk_time(b)
+        beyond = max(forward_seconds + walk_seconds - plain, 0.0)
         drafting = {st.rid for st in plan.drafting}
         for st, t, acc in zip(live, trees, accepted):
             if st.rid not in drafting:

@@ -27,7 +27,7 @@ def test_acceptance_estimates_converge_to_a_drafters_known_rates():
     """A drafter whose nodes are accepted with 0.5 x its confidence at depth 1 and 0.25 x at depth 2
     (over-confident, unlike the prior): the shared estimate converges to those rates."""
     rng = random.Random(0)
-    model = AcceptanceModel()
+    model = AcceptanceModel(shared_decay=0.9995)  # a window of about 2,000 steps: sampling noise ~0.02
     truth = {1: 0.5, 2: 0.25}
     for _ in range(4000):
         c1, c2 = rng.choice([0.35, 0.85]), rng.choice([0.35, 0.85])
@@ -153,11 +153,11 @@ class ModelledPolicy(AutoPolicy):
     def select(self, live, plan, pools, draft_seconds):
         return super().select(live, plan, pools, self._draft(plan))
 
-    def update(self, live, plan, trees, accepted, draft_seconds, verify_seconds, step):
+    def update(self, live, plan, trees, accepted, draft_seconds, forward_seconds, walk_seconds, step):
         q = sum(len(t) for t in trees)
         if plan.grow is not None:
             plan.grow.times = {d: 0.1 * d for d in plan.grow.times}
-        super().update(live, plan, trees, accepted, self._draft(plan), 1 + 0.05 * (q - 1), step)
+        super().update(live, plan, trees, accepted, self._draft(plan), 1 + 0.05 * (q - 1), 0.0, step)
 
     @staticmethod
     def _draft(plan):

@@ -81,12 +81,14 @@ def test_trees_cut_by_the_policy_keep_the_target_distribution(family):
             (tree,) = pol.select([st], plan, [propose(root)], 0.0)
             sizes.append(len(tree))
             res = verify_sampled(tree, target.table[tree.tokens], gen)
-            pol.update([st], plan, [tree], [res.accepted], 0.0, 0.1 + 0.005 * len(tree), step)
+            pol.update([st], plan, [tree], [res.accepted], 0.0, 0.1 + 0.005 * len(tree), 0.0, step)
             out += res.tokens
             root = out[-1]
         counts[tuple(out[:3])] = counts.get(tuple(out[:3]), 0) + 1
     exact = exact_first_three(target, VOCAB)
     sigmas = chi_square_sigmas(counts, exact, n)
+    print(f"{family}: chi-square {sigmas:+.2f} sigmas, TV {tv_distance(counts, exact, n):.4f}, {n} draws, "
+          f"tree sizes {min(sizes)}-{max(sizes)} (mean {sum(sizes) / len(sizes):.2f})")
     assert sigmas < 5, (sigmas, tv_distance(counts, exact, n))
     # the policy did cut: trees of more than one size were verified
     assert len(set(sizes)) > 1, sorted(set(sizes))
