@@ -102,12 +102,13 @@ class Grow:
         # one more depth opens the ones after it: drafting h further depths pays when what they return
         # per second beats the step's rate so far, for some h
         reach = [min(1.0, sum(acc.probability(st.rid, depth, s) for s in row)) for st, row in zip(self.rows, best)]
-        gain = 0.0
+        gain = levels = 0.0
         for h in range(1, self.max_depth - depth + 1):
             reach = [p * acc.reach(st.rid, depth + h) for st, p in zip(self.rows, reach)]
             gain += sum(reach)
+            levels += max(reach)  # the walk's expected further levels, at the batch's longest row
             extra = (max(pol.draft.estimate(r, depth + h, plain) - d_now, 0.0)
-                     + max(pol.verify_time(q + h * r) - t_v, 0.0) + proj * max(reach))
+                     + max(pol.verify_time(q + h * r) - t_v, 0.0) + proj * levels)
             if extra <= 0 or gain / extra > rate:
                 return gain > 0
         return False
