@@ -89,14 +89,7 @@ class CostCurve:
     def optimistic(self, tokens: int) -> float | None:
         """:meth:`estimate`, or past the largest size measured, that size's time (a lower bound); below
         the smallest, the smallest's. None before any measurement."""
-        est = self.estimate(tokens)
-        if est is not None:
-            return est
-        known = self._known()
-        if not known:
-            return None
-        below = [t for n, t in known if n <= tokens]
-        return (max(below) if below else known[0][1]) * self.drift
+        return self.table(tokens, tokens)[0]
 
     def table(self, lo: int, hi: int) -> list[float | None]:
         """:meth:`optimistic` for every token count from ``lo`` to ``hi``, in one pass."""

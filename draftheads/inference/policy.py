@@ -90,10 +90,10 @@ class Grow:
             return False
         pol, acc = self.policy, self.policy.acceptance
         best = torch.topk(scores.float(), min(self.top_k, scores.shape[1]), dim=1).values.tolist()  # [R, k]
-        for st, row in zip(self.rows, best):
-            p = min(1.0, sum(acc.probability(st.rid, depth, s) for s in row))
-            self.expected += p
-            self.longest = max(self.longest, p * depth)  # a walk of the row that reaches this depth
+        # per row, the chance that the walk reaches this depth
+        reach = [min(1.0, sum(acc.probability(st.rid, depth, s) for s in row)) for st, row in zip(self.rows, best)]
+        self.expected += sum(reach)
+        self.longest = max(self.longest, max(reach) * depth)  # a walk of a row that reaches this depth
         self.nodes += len(self.rows) * len(best[0])
         q, r = self.batch + self.nodes, len(self.rows)
         t_v, plain, proj = pol.verify_time(q), pol.verify_time(self.batch), pol.walk_time(self.batch)
@@ -101,7 +101,6 @@ class Grow:
         rate = (self.batch + self.expected) / (d_now + t_v + proj * (1 + self.longest))
         # one more depth opens the ones after it: drafting h further depths pays when what they return
         # per second beats the step's rate so far, for some h
-        reach = [min(1.0, sum(acc.probability(st.rid, depth, s) for s in row)) for st, row in zip(self.rows, best)]
         gain = levels = 0.0
         for h in range(1, self.max_depth - depth + 1):
             reach = [p * acc.reach(st.rid, depth + h) for st, p in zip(self.rows, reach)]
