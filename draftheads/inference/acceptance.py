@@ -1,24 +1,28 @@
 """What a drafted node is worth: the probability that verification accepts it, from the draft's own
-confidence, calibrated on-line against what verification actually accepted.
+confidence, calibrated on-line against what the target emitted.
 
-A node's *confidence* is the draft's cumulative probability of its path (``exp`` of ``Tree.scores``,
-EAGLE-2's ranking value); a proposer that gives no scores (n-gram) puts every node in one bin. The
-model keeps decayed counts of (accepted, drafted) per cell of depth and confidence bin, at two levels:
+The model is conditional: a node's *confidence* is the draft's probability of its token given its parent
+(``exp`` of the step in ``Tree.scores``, the cumulative log-probabilities EAGLE-2 ranks by); a proposer
+that gives no scores (n-gram) puts every node in one bin. A cell of depth and confidence bin holds the
+decayed (accepted, tried) counts of nodes whose parent was accepted, and a node's value, the probability
+that the walk accepts it, is the product of its path's cells. Counts are kept at two levels:
 
-* **shared** by every request of the engine, starting from the prior that the draft is calibrated
-  (a node of confidence c is accepted with probability c);
+* **shared** by every request of the engine, starting from the prior that the draft is calibrated as well
+  as it proved to be at that depth (:meth:`AcceptanceModel.scale`);
 * **per request**, starting from the shared estimate, so a domain where the same confidence means
   less (or more) is learnt within a few steps of that request, and decays faster, so a request whose
   drafts turn good after a run of rejections is believed again.
 
-Every verified node is an observation, accepted or not: acceptance is a property of the drafter and
-the text, not of the tree that carried the node, so every tree the proposer could draft is valued by
-the same model. A node's value is capped by its parent's (a node is accepted only after its parent),
-so the best nodes by value always form a tree.
+**Every drafted node is labelled, verified or not.** With children drafted deterministically (top-k, no
+draft distribution), the walk emits the token the target draws after the accepted node, whatever
+siblings the tree gives it, and a child is accepted exactly when its token is that one. So once a step
+is verified, every drafted child of the emitted path (the accepted nodes and the one the bonus token
+matches) is labelled by the emitted token, including the nodes the policy left out: the model learns
+what the nodes it does not verify are worth, not only the ones it chose. Sampled children (a draft
+distribution, accepted with probability min(1, p/q)) are labelled only where they were verified.
 
-The walk's continuation (``reach``): per depth, how often the walk that reached depth d - 1 went on to
-depth d when the tree had children there. It predicts what drafting one more depth returns before the
-depth is drafted.
+The walk's continuation (``reach``): per depth, how often a matched node with children drafted there
+had one the target went on to. It predicts what drafting one more depth returns before it is drafted.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ class AcceptanceModel:
     request_weight: float = 4.0  # pseudo-observations of the shared estimate in a request's cells
     shared: Cells = field(default_factory=lambda: Cells(0.995))
     requests: dict[int, Cells] = field(default_factory=dict)
-    _shared_rate: dict = field(default_factory=dict, repr=False)  # (group, bin) -> shared estimate, until the next observation
+    _shared_rate: dict = field(default_factory=dict, repr=False)  # depth group -> shared estimate per bin, until the next observation
 
     def __post_init__(self):
         self.shared.decay = self.shared_decay
@@ -96,33 +100,30 @@ class AcceptanceModel:
     def finish(self, rid: int) -> None:
         self.requests.pop(rid, None)
 
-    def probability(self, rid: int | None, depth: int, score: float | None) -> float:
-        """Probability that a node at ``depth`` with cumulative log-probability ``score`` is accepted. A
-        shared cell's prior is its confidence times the depth's :meth:`scale` (unscored nodes: the cell one
-        depth up times ``UNKNOWN_PRIOR``), so what is learnt where the draft is verified often carries to
-        the cells it rarely reaches; a request's cell starts from the shared one."""
-        b, g = conf_bin(score), depth_group(depth)
-        own = self.requests.get(rid)
-        p = self._shared_rate.get((g, b))
-        if p is None:
-            p = self._shared_rate[g, b] = self._shared(g, b)
-        return p if own is None else own.rate(g, b, p, self.request_weight)
+    def probability(self, rid: int | None, depth: int, step: float | None) -> float:
+        """Probability that a node at ``depth`` is accepted once its parent is, where ``step`` is the
+        draft's log-probability of its token given the parent (None: no confidence). A shared cell's prior
+        is its confidence times the depth's :meth:`scale` (unscored nodes: ``UNKNOWN_PRIOR`` at depth 1,
+        the estimate one depth up below it); a request's cell starts from the shared one."""
+        return self.rates(rid, depth)[conf_bin(step)]
 
-    def _shared(self, g: int, b: int) -> float:
-        if b == UNKNOWN:
-            p = UNKNOWN_PRIOR
-            for d in range(1, g + 1):
-                if d > 1:
-                    p *= UNKNOWN_PRIOR  # a further unscored node also needs the one before it
-                p = self.shared.rate(d, b, p, self.prior_weight)
-            return p
-        return self.shared.rate(g, b, min(0.95, CENTRES[b] * self.scale(g)), self.prior_weight)
+    def rates(self, rid: int | None, depth: int) -> list[float]:
+        """:meth:`probability` at ``depth`` for every confidence bin (``UNKNOWN`` last)."""
+        g = depth_group(depth)
+        shared = self._shared_rate.get(g)
+        if shared is None:
+            f = self.scale(g)
+            unknown = UNKNOWN_PRIOR if g == 1 else self.rates(None, g - 1)[UNKNOWN]  # as one depth up
+            prior = [min(0.95, c * f) for c in CENTRES] + [unknown]
+            shared = self._shared_rate[g] = [self.shared.rate(g, b, p, self.prior_weight) for b, p in enumerate(prior)]
+        own = self.requests.get(rid)
+        return shared if own is None else [own.rate(g, b, p, self.request_weight) for b, p in enumerate(shared)]
 
     def scale(self, g: int) -> float:
         """How much more (or less) often the shared cells of depth group ``g`` are accepted than their
-        confidence says, over every bin: the prior of a cell seldom verified (a low-ranked node, which a
-        tree rarely carries), so an under- or over-confident draft is believed as it has proved itself
-        where it is verified often. Each depth's scale starts from the one above it (1 at depth 1)."""
+        confidence says, over every bin: the prior of a cell seldom drafted, so an under- or
+        over-confident draft is believed as it has proved itself where it drafts often. Each depth's
+        scale starts from the one above it (1 at depth 1)."""
         f = 1.0
         for d in range(1, g + 1):
             hits = sum(self.shared.hits[d][:UNKNOWN])
@@ -140,36 +141,52 @@ class AcceptanceModel:
         return p if own is None else own.reach(depth_group(depth), p, self.request_weight)
 
     def values(self, rid: int | None, tree: Tree) -> list[float]:
-        """Per node, the probability that it is accepted (the root: 1), each capped by its parent's."""
+        """Per node, the probability that the walk accepts it (the root: 1): its parent's times its own
+        given the parent."""
         d = depths(tree.parents)
-        scores = tree.scores
         out = [1.0] * len(tree)
+        rates: dict[int, list[float]] = {}
         for i in range(1, len(tree)):
-            p = self.probability(rid, d[i], None if scores is None else scores[i])
-            out[i] = min(p, out[tree.parents[i]])
+            if d[i] not in rates:
+                rates[d[i]] = self.rates(rid, d[i])
+            out[i] = out[tree.parents[i]] * rates[d[i]][conf_bin(step_score(tree, i))]
         return out
 
-    def observe(self, rid: int | None, tree: Tree, accepted: list[int]) -> None:
-        """Count every drafted node of a verified tree (accepted or not) and the walk's depth."""
+    def observe(self, rid: int | None, tree: Tree, emitted: list[int]) -> None:
+        """Label every drafted child of the path the target emitted (``emitted``: the accepted tokens and
+        the bonus token) in ``tree``: the tree verified, or the whole drafted pool when its children were
+        drafted deterministically (see the module docstring); and count the walk's continuation."""
         if len(tree) < 2:
             return
-        d = depths(tree.parents)
         kids = tree.children()
-        took = set(accepted)
         cells = [self.shared] + ([self.requests[rid]] if rid in self.requests else [])
         self._shared_rate.clear()
         for c in cells:
             c.fade()
-        for i in range(1, len(tree)):
-            g, b = depth_group(d[i]), conf_bin(None if tree.scores is None else tree.scores[i])
-            hit = float(i in took)
-            for c in cells:
-                c.hits[g][b] += hit
-                c.tries[g][b] += 1.0
-        walk = [0, *accepted]
-        for j, node in enumerate(walk):  # reached depth j at ``node``; did it go on where it could?
-            if kids[node]:
-                g = depth_group(j + 1)
+        node = 0
+        for depth, tok in enumerate(emitted, 1):
+            if not kids[node]:
+                break
+            g = depth_group(depth)
+            nxt = None
+            for i in kids[node]:
+                hit = tree.tokens[i] == tok
+                if hit and nxt is None:
+                    nxt = i
+                b = conf_bin(step_score(tree, i))
                 for c in cells:
-                    c.reached[g] += 1.0
-                    c.went_on[g] += float(j + 1 < len(walk))
+                    c.hits[g][b] += float(hit)
+                    c.tries[g][b] += 1.0
+            for c in cells:
+                c.reached[g] += 1.0
+                c.went_on[g] += float(nxt is not None)
+            if nxt is None:
+                break
+            node = nxt
+
+
+def step_score(tree: Tree, i: int) -> float | None:
+    """The draft's log-probability of node ``i``'s token given its parent (None: the tree has no scores)."""
+    if tree.scores is None:
+        return None
+    return tree.scores[i] - tree.scores[tree.parents[i]]

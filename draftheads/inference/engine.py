@@ -273,7 +273,7 @@ class Engine:
                     self.proposer.observe(st, {i: h[path] for i, h in hidden.items()}, len(res.path))
                 off += len(t)
             if self.policy:
-                self.policy.update(live, plan, trees, [res.accepted for res in results], t_draft,
+                self.policy.update(live, plan, trees, [res.tokens for res in results], t_draft,
                                    time.perf_counter() - t_step - t_draft - t_walk, t_walk, self.steps)
             if progress:
                 progress(sum(len(st.generated) for st in states))

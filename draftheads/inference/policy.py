@@ -2,8 +2,9 @@
 included, from two models kept as the engine runs.
 
 * **Acceptance** (:class:`~draftheads.inference.acceptance.AcceptanceModel`): the probability that a
-  drafted node is accepted, from the draft's own confidence in its path, calibrated on every verified
-  node, shared by the engine's requests and refined per request.
+  drafted node is accepted, from the draft's own confidence in each token of its path, calibrated on
+  every drafted node the emitted tokens label (those the step left out included), shared by the
+  engine's requests and refined per request.
 * **Cost** (:mod:`draftheads.inference.cost`): seconds of the verify forward by query tokens (the
   verify curve, with a drift factor for the machine's speed) and of drafting by batch size and depth;
   and here, the seconds of one level of the verification walk (the lazy lm_head projects the nodes of
@@ -18,8 +19,8 @@ A step, for a batch of ``B`` rows:
    that doubles on every losing probe, up to ``max_wait`` steps: a request whose drafts turn good
    finds out within that bound. A new request drafts at once.
 2. **How deep** (:class:`Grow`, proposers that draft depth by depth): after each depth, the chance
-   that the walk reaches it (the values of its best ``top_k`` nodes) times the chance that it goes on
-   one further is what one more depth returns; the draft goes deeper while that return per second of
+   that the walk reaches it (the values of its best ``top_k`` nodes, each its parent's times its own)
+   times the chance that it goes on one further is what one more depth returns; the draft goes deeper while that return per second of
    drafting and verifying beats the step's rate so far.
 3. **Which nodes** (:meth:`AutoPolicy.select`): every drafted node of every row is valued by the
    acceptance model, and the ``n`` best across the batch are verified, ``n`` (0 = plain verify) chosen
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftheads.inference.acceptance import AcceptanceModel
+from draftheads.inference.acceptance import EDGES, AcceptanceModel
 from draftheads.inference.cost import CostCurve, DraftCost, grid_key
 from draftheads.inference.proposers.base import RequestState
 from draftheads.inference.tree import Tree, TreeSpec, depths, prune
@@ -67,6 +68,7 @@ class StepPlan:
     spec: TreeSpec | None
     grow: Grow | None = None
     predicted: float = 0.0  # expected tokens of the trees chosen (filled by select)
+    pools: dict[int, Tree] = field(default_factory=dict)  # request id -> its drafted pool (filled by select)
 
 
 @dataclass
@@ -83,18 +85,31 @@ class Grow:
     nodes: int = 0  # tokens to verify beyond the roots so far (each depth's best top_k per row)
     longest: float = 0.0  # a rough expected length of the batch's longest walk so far
     times: dict[int, float] = field(default_factory=dict)  # depth -> seconds since drafting began
+    scores: torch.Tensor | None = None  # [R, n] cumulative scores of every node drafted so far, in order
+    values: torch.Tensor | None = None  # [R, n] their values
 
-    def more(self, depth: int, scores: torch.Tensor) -> bool:
+    def more(self, depth: int, scores: torch.Tensor, parents: torch.Tensor) -> bool:
         self.times[depth] = time.perf_counter() - self.t0  # measured, for the draft cost model
         if depth >= self.max_depth:
             return False
         pol, acc = self.policy, self.policy.acceptance
-        best = torch.topk(scores.float(), min(self.top_k, scores.shape[1]), dim=1).values.tolist()  # [R, k]
-        # per row, the chance that the walk reaches this depth
-        reach = [min(1.0, sum(acc.probability(st.rid, depth, s) for s in row)) for st, row in zip(self.rows, best)]
+        scores = scores.float()
+        if self.scores is None:
+            above, up = torch.zeros_like(scores), torch.ones_like(scores)
+        else:
+            idx = parents.long().clamp(min=0)
+            above, up = self.scores.gather(1, idx), self.values.gather(1, idx)
+        table = torch.tensor([acc.rates(st.rid, depth) for st in self.rows], device=scores.device)  # [R, bins]
+        bins = torch.bucketize((scores - above).clamp(max=0).exp(), _edges(scores.device), right=True)
+        values = up * table.gather(1, bins)
+        self.scores = scores if self.scores is None else torch.cat([self.scores, scores], 1)
+        self.values = values if self.values is None else torch.cat([self.values, values], 1)
+        # per row, the chance that the walk reaches this depth on one of its best top_k nodes
+        best = torch.topk(values, min(self.top_k, values.shape[1]), dim=1).values
+        reach = best.sum(1).clamp(max=1.0).tolist()
         self.expected += sum(reach)
         self.longest = max(self.longest, max(reach) * depth)  # a walk of a row that reaches this depth
-        self.nodes += len(self.rows) * len(best[0])
+        self.nodes += len(self.rows) * best.shape[1]
         q, r = self.batch + self.nodes, len(self.rows)
         t_v, plain, proj = pol.verify_time(q), pol.verify_time(self.batch), pol.walk_time(self.batch)
         d_now = pol.draft.estimate(r, depth, plain)
@@ -169,7 +184,7 @@ class AutoPolicy:
         across the batch, as many as pay (the root alone for rows that did not draft)."""
         b = len(live)
         values = {st.rid: self.acceptance.values(st.rid, t) for st, t in zip(plan.drafting, pools)}
-        pool_of = {st.rid: t for st, t in zip(plan.drafting, pools)}
+        pool_of = plan.pools = {st.rid: t for st, t in zip(plan.drafting, pools)}
         cands = []  # (value, score, depth, row id, node)
         for st, t in zip(plan.drafting, pools):
             d = depths(t.parents)
@@ -206,11 +221,12 @@ class AutoPolicy:
         w = self.walk.get(grid_key(batch))
         return w[0] / w[1] if w and w[1] else 0.0
 
-    def update(self, live: list[RequestState], plan: StepPlan, trees: list[Tree], accepted: list[list[int]],
+    def update(self, live: list[RequestState], plan: StepPlan, trees: list[Tree], emitted: list[list[int]],
                draft_seconds: float, forward_seconds: float, walk_seconds: float, step: int) -> None:
-        """Learn from one verified step: the curve (``forward_seconds``: the target's forward and the
-        step's bookkeeping), the walk's cost per level (``walk_seconds``), the draft cost, acceptance and
-        every drafting row's gate."""
+        """Learn from one verified step (``emitted``: per row, the accepted tokens and the bonus token):
+        the curve (``forward_seconds``: the target's forward and the step's bookkeeping), the walk's cost
+        per level (``walk_seconds``), the draft cost, acceptance and every drafting row's gate."""
+        accepted = [len(e) - 1 for e in emitted]
         b = len(live)
         key = grid_key(b)
         q = sum(len(t) for t in trees)
@@ -219,7 +235,7 @@ class AutoPolicy:
         self.curve.add(q, forward_seconds)
         w = self.walk.setdefault(key, [0.0, 0.0])
         w[0] = w[0] * self.walk_decay + walk_seconds
-        w[1] = w[1] * self.walk_decay + 1 + max(len(a) for a in accepted)
+        w[1] = w[1] * self.walk_decay + 1 + max(accepted)
         if q == b:
             self.last_plain[key] = step
         if not plan.drafting:
@@ -233,16 +249,18 @@ class AutoPolicy:
         drafted = q - b
         s["drafted"] += 1
         s["predicted"] += plan.predicted
-        s["measured"] += b + sum(len(a) for a in accepted)
+        s["measured"] += b + sum(accepted)
         s["tokens"] += q
         plain = self.verify_time(b) + self.walk_time(b)
         beyond = max(forward_seconds + walk_seconds - plain, 0.0)
         drafting = {st.rid for st in plan.drafting}
-        for st, t, acc in zip(live, trees, accepted):
+        for st, t, em, acc in zip(live, trees, emitted, accepted):
             if st.rid not in drafting:
                 continue
-            self.acceptance.observe(st.rid, t, acc)
-            saved = len(acc) * plain / b
+            pool = plan.pools.get(st.rid, t)
+            drawn = pool.draft_probs is not None and any(q is not None for q in pool.draft_probs[1:])
+            self.acceptance.observe(st.rid, t if drawn else pool, em)  # sampled drafts: only those verified
+            saved = acc * plain / b
             spent = draft_seconds / len(plan.drafting) + (beyond * (len(t) - 1) / drafted if drafted else 0.0)
             self._gate(st.gate, saved, spent, step)
 
@@ -269,6 +287,15 @@ class AutoPolicy:
                         "predicted_tokens_per_step": s["predicted"] / d if d else 0.0,
                         "measured_tokens_per_step": s["measured"] / d if d else 0.0}
         return out
+
+
+_EDGE_CACHE: dict = {}
+
+
+def _edges(device) -> torch.Tensor:
+    if device not in _EDGE_CACHE:
+        _EDGE_CACHE[device] = torch.tensor(EDGES, device=device)
+    return _EDGE_CACHE[device]
 
 
 def _with_ancestors(tree: Tree, node: int) -> set[int]:

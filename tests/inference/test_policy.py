@@ -23,28 +23,46 @@ def _state(rid=0):
 # ----------------------------------------------------------------------------- the acceptance model
 
 
+def _emitted(tokens, accepted, rng):
+    """What the target emitted after a chain of ``tokens`` of which the first ``accepted`` were accepted."""
+    return [*tokens[:accepted], 1000 + rng.randrange(1000)]
+
+
 def test_acceptance_estimates_converge_to_a_drafters_known_rates():
-    """A drafter whose nodes are accepted with 0.5 x its confidence at depth 1 and 0.25 x at depth 2
-    (over-confident, unlike the prior): the shared estimate converges to those rates."""
+    """A drafter whose node is accepted, once its parent is, with 0.5 x its confidence at depth 1 and
+    0.25 x at depth 2 (over-confident, unlike the prior): the shared estimates converge to those rates,
+    and a node is worth its parent's value times its own."""
     rng = random.Random(0)
     model = AcceptanceModel(shared_decay=0.9995)  # a window of about 2,000 steps: sampling noise ~0.02
     truth = {1: 0.5, 2: 0.25}
     for _ in range(4000):
         c1, c2 = rng.choice([0.35, 0.85]), rng.choice([0.35, 0.85])
         tree = Tree([0, 1, 2], chain_parents(2), scores=[0.0, math.log(c1), math.log(c1 * c2)])
-        acc = []
+        n = 0
         if rng.random() < truth[1] * c1:
-            acc.append(1)
-            if rng.random() < truth[2] * c1 * c2 / (truth[1] * c1):
-                acc.append(2)
-        model.observe(None, tree, acc)
+            n = 2 if rng.random() < truth[2] * c2 else 1
+        model.observe(None, tree, _emitted([1, 2], n, rng))
     for c in (0.35, 0.85):
         assert model.probability(None, 1, math.log(c)) == pytest.approx(truth[1] * c, abs=0.05)
-    assert model.probability(None, 2, math.log(0.85 * 0.85)) == pytest.approx(truth[2] * 0.85 * 0.85, abs=0.05)
-    # a node never exceeds its parent
-    tree = Tree([0, 1, 2], chain_parents(2), scores=[0.0, math.log(0.35), math.log(0.34)])
+        assert model.probability(None, 2, math.log(c)) == pytest.approx(truth[2] * c, abs=0.05)
+    tree = Tree([0, 1, 2], chain_parents(2), scores=[0.0, math.log(0.85), math.log(0.85 * 0.35)])
     v = model.values(None, tree)
-    assert v[2] <= v[1]
+    assert v[2] == pytest.approx(v[1] * model.probability(None, 2, math.log(0.35)))
+
+
+def test_nodes_left_out_of_the_verified_tree_are_labelled_by_what_the_target_emitted():
+    """A pool of two siblings of which only the more confident one is ever verified: the other is right
+    whenever the first is wrong, and the model learns that from the emitted tokens alone."""
+    model = AcceptanceModel()
+    pool = Tree([0, 1, 2, 3], [-1, 0, 0, 1], scores=[0.0, math.log(0.6), math.log(0.3), math.log(0.6 * 0.5)])
+    rng = random.Random(0)
+    for _ in range(300):
+        emitted = [1, 3, 7] if rng.random() < 0.2 else [2, 9]  # the bonus after node 2 is never drafted
+        model.observe(None, pool, emitted)
+    assert model.probability(None, 1, math.log(0.6)) == pytest.approx(0.2, abs=0.06)
+    assert model.probability(None, 1, math.log(0.3)) == pytest.approx(0.8, abs=0.06)
+    assert model.probability(None, 2, math.log(0.5)) > 0.9  # node 3: right whenever its parent was
+    assert model.reach(None, 1) > 0.95 and model.reach(None, 2) > 0.9
 
 
 def test_a_requests_own_cells_move_it_away_from_the_shared_estimate():
@@ -52,9 +70,9 @@ def test_a_requests_own_cells_move_it_away_from_the_shared_estimate():
     model.start(7)
     tree = Tree([0, 1], [-1, 0], scores=[0.0, math.log(0.85)])
     for _ in range(30):
-        model.observe(None, tree, [1])  # other requests: always accepted
+        model.observe(None, tree, [1, 5])  # other requests: always accepted
     for _ in range(15):
-        model.observe(7, tree, [])  # this one: never
+        model.observe(7, tree, [4])  # this one: never
     assert model.probability(7, 1, math.log(0.85)) < 0.3 < 0.6 < model.probability(None, 1, math.log(0.85))
     model.finish(7)
     assert model.probability(7, 1, math.log(0.85)) == model.probability(None, 1, math.log(0.85))
@@ -153,11 +171,11 @@ class ModelledPolicy(AutoPolicy):
     def select(self, live, plan, pools, draft_seconds):
         return super().select(live, plan, pools, self._draft(plan))
 
-    def update(self, live, plan, trees, accepted, draft_seconds, forward_seconds, walk_seconds, step):
+    def update(self, live, plan, trees, emitted, draft_seconds, forward_seconds, walk_seconds, step):
         q = sum(len(t) for t in trees)
         if plan.grow is not None:
             plan.grow.times = {d: 0.1 * d for d in plan.grow.times}
-        super().update(live, plan, trees, accepted, self._draft(plan), 1 + 0.05 * (q - 1), 0.0, step)
+        super().update(live, plan, trees, emitted, self._draft(plan), 1 + 0.05 * (q - 1), 0.0, step)
 
     @staticmethod
     def _draft(plan):

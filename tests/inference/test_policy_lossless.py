@@ -83,7 +83,7 @@ def test_trees_cut_by_the_policy_keep_the_target_distribution(family):
             (tree,) = pol.select([st], plan, [propose(root)], 0.0)
             sizes.append(len(tree))
             res = verify_sampled(tree, target.table[tree.tokens], gen)
-            pol.update([st], plan, [tree], [res.accepted], 0.0, 0.1 + 0.005 * len(tree), 0.0, step)
+            pol.update([st], plan, [tree], [res.tokens], 0.0, 0.1 + 0.005 * len(tree), 0.0, step)
             out += res.tokens
             root = out[-1]
         counts[tuple(out[:3])] = counts.get(tuple(out[:3]), 0) + 1

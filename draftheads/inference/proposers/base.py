@@ -43,9 +43,10 @@ class RequestState:
 class Growth(Protocol):
     """How deep a step drafts, decided as it drafts (the engine's ``auto`` policy)."""
 
-    def more(self, depth: int, scores: torch.Tensor) -> bool:
-        """After drafting the nodes at ``depth`` (scores [rows, n]: their cumulative log-probabilities,
-        every row that drafts): whether to draft depth + 1."""
+    def more(self, depth: int, scores: torch.Tensor, parents: torch.Tensor) -> bool:
+        """After drafting the nodes at ``depth`` (every row that drafts; scores [rows, n]: their cumulative
+        log-probabilities; parents [rows, n]: each one's parent as an index into the nodes of all depths
+        so far in the order drafted, -1 at depth 1): whether to draft depth + 1."""
 
 
 class Proposer:

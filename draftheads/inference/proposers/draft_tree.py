@@ -139,7 +139,7 @@ class DraftTreeProposer(FollowingProposer):
         f_anc = torch.zeros(r, k, anc.shape[2], dtype=torch.bool, device=device)  # entries above each frontier node
         size = k
         for d in range(1, tree.depth):
-            if grow is not None and not grow.more(d, score[-1]):
+            if grow is not None and not grow.more(d, score[-1], par[-1]):
                 break
             # the frontier becomes entries e0 .. e0 + k - 1; each sees the committed prefix and its ancestors
             e0 = (d - 1) * k
