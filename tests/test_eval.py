@@ -49,6 +49,8 @@ def test_bench_parts_on_tiny_target(tiny_llama_dir, tmp_path, capsys):
     assert {"plain", "hf_generate", "hf_prompt_lookup", "ngram (auto)"} <= set(res["proposers"])
     assert res["proposers"]["plain"]["ratio_vs_plain"] == 1.0
     assert set(res["batch_sweep"]["ngram (auto)"]) == {"1", "2"}
+    for m in ("plain (again)", "ngram (auto)"):  # float32: speculation decodes plain decoding's text
+        assert (res["proposers"][m]["same_text"], res["proposers"][m]["shared_prefix"]) == (1, 1.0)
     assert res["dtype"] == "float32" and "threads, float32)" in (out / "results.md").read_text()
     assert (out / "verify_curve.png").is_file() and (out / "batch_sweep.png").is_file()
 
@@ -64,6 +66,19 @@ def test_bench_times_each_head_in_every_mode_and_chain3(tiny_llama_dir, tiny_tar
                  "--prompts", str(prompts), "--only", "proposers", "--max-new-tokens", "4", "--out", str(out)]) == 0
     got = json.loads((out / "results.json").read_text())["proposers"]
     assert {"eagle3 (auto)", "eagle3 (small)", "eagle3 (chain3)"} <= set(got) and got["eagle3 (small)"]["steps"] > 0
+
+
+def test_bench_reports_how_far_each_methods_text_agrees_with_plain():
+    from types import SimpleNamespace
+
+    from draftheads.bench.speed import same_text
+    from draftheads.inference.timing import Run
+
+    def runs(*texts):
+        return [Run(1.0, len(t), outputs=[SimpleNamespace(token_ids=t)]) for t in texts]
+
+    got = same_text(runs([1, 2, 3, 4], [5, 6]), runs([1, 2, 9, 9], [5, 6]))
+    assert got == {"same_text": 1, "prompts": 2, "shared_prefix": pytest.approx((0.5 + 1.0) / 2)}
 
 
 def test_bench_ceiling_part(tiny_llama_dir, tmp_path):
