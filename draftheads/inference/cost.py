@@ -2,8 +2,10 @@
 number of query tokens in it (the verify curve, seeded by ``draftheads profile``), and the draft by
 batch size and depth.
 
-Both are optimistic where they have not measured: a forward over more query tokens costs at least the
-longest one measured at fewer, and one more draft depth at least a quarter of the first. So a larger
+Both are optimistic where they have not measured: a forward over more query tokens than any measured
+costs the largest one measured plus what each token cost between the two largest (the curve is flat
+while reading the weights dominates, then grows at least as fast as it did), and one more draft depth
+at least a quarter of the first. So a larger
 tree or a deeper draft is tried once before it is ruled out, and then it is known.
 
 The machine's speed drifts (plain decoding here went from 22 to 14 tok/s within an hour), and a size
@@ -87,8 +89,9 @@ class CostCurve:
         return (t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)) * self.drift
 
     def optimistic(self, tokens: int) -> float | None:
-        """:meth:`estimate`, or past the largest size measured, that size's time (a lower bound); below
-        the smallest, the smallest's. None before any measurement."""
+        """:meth:`estimate`, or past the largest size measured, that size's time plus the slope between
+        the two largest for every further token (a lower bound on a convex curve); below the smallest,
+        the smallest's. None before any measurement."""
         return self.table(tokens, tokens)[0]
 
     def table(self, lo: int, hi: int) -> list[float | None]:
@@ -97,6 +100,8 @@ class CostCurve:
         if not known:
             return [None] * (hi - lo + 1)
         out, i, top = [], 0, 0.0
+        (na, ta), (nb, tb) = known[-2] if len(known) > 1 else known[-1], known[-1]
+        slope = max(tb - ta, 0.0) / (nb - na) if nb > na else 0.0  # per token past the largest size
         for q in range(lo, hi + 1):
             while i < len(known) and known[i][0] < q:
                 top = max(top, known[i][1])
@@ -106,7 +111,7 @@ class CostCurve:
             elif i == 0:
                 t = known[0][1]
             elif i == len(known):
-                t = top
+                t = top + slope * (q - known[-1][0])
             else:
                 (n0, t0), (n1, t1) = known[i - 1], known[i]
                 t = t0 + (t1 - t0) * (q - n0) / (n1 - n0)

@@ -60,6 +60,9 @@ class EngineConfig:
     projects fewer nodes."""
     lazy_lm_head: bool = True
     """Project the final hidden states through the lm_head only at the nodes verification reads."""
+    walk_ahead: int = 3
+    """The host greedy walk projects, with each node it reaches, up to this many of its likeliest
+    descendants in the same lm_head call (0: one depth per call)."""
     kv_dtype: str | None = None
     """Dtype of the paged K/V: None = the model's, except on the torch path on a CPU, where a bf16 or
     fp16 model keeps float32 K/V (CPU SDPA reads float32 K/V about 3.7x faster: 6.3 against 23.4 ms

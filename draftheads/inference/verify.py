@@ -179,18 +179,19 @@ def _offsets(trees: list[Tree]) -> list[int]:
 
 class ExactVerifier(Verifier):
     """Lossless verification. Greedy rows walk their trees together: on the host, depth by depth,
-    projecting only the nodes reached (one lm_head call per depth for the whole batch; best on a CPU);
+    projecting the nodes reached and ``ahead`` of their likeliest descendants (one lm_head call for the
+    whole batch per depth the draft's choice missed; best on a CPU);
     or ``on_device``, over the argmax of every node with one read-back (:func:`device_greedy`).
     Sampled rows run the rejection walk, projecting each node they visit."""
 
     name = "exact"
 
-    def __init__(self, on_device: bool = False, kernel: bool = False):
-        self.on_device, self.kernel = on_device, kernel
+    def __init__(self, on_device: bool = False, kernel: bool = False, ahead: int = 0):
+        self.on_device, self.kernel, self.ahead = on_device, kernel, ahead
 
     @classmethod
     def from_config(cls, config, on_device: bool = False, kernel: bool = False) -> ExactVerifier:
-        return cls(on_device=on_device, kernel=kernel)
+        return cls(on_device=on_device, kernel=kernel, ahead=config.walk_ahead)
 
     def verify(self, states, trees, logits):
         offs = _offsets(trees)
@@ -201,7 +202,7 @@ class ExactVerifier(Verifier):
             if self.on_device and max(len(t) for t in g_trees) > 1:
                 done = device_greedy(g_trees, logits, g_offs, self.kernel)
             else:
-                done = _greedy_walk(g_trees, logits, g_offs)
+                done = _greedy_walk(g_trees, logits, g_offs, self.ahead)
             for r, res in zip(greedy, done):
                 out[r] = res
         for r, st in enumerate(states):
@@ -210,23 +211,48 @@ class ExactVerifier(Verifier):
         return out
 
 
-def _greedy_walk(trees: list[Tree], logits: NodeLogits, offs: list[int]) -> list[VerifyResult]:
+def _greedy_walk(trees: list[Tree], logits: NodeLogits, offs: list[int], ahead: int = 0) -> list[VerifyResult]:
+    """The host walk, depth by depth for every row at once. Each lm_head call projects, per row, the node
+    reached and up to ``ahead`` of its likeliest descendants (the best-scored child, then its own): where
+    the target follows the draft's own choice, one call serves several depths (a projection reads the
+    whole lm_head whatever its rows, so a few more rows cost little)."""
     kids = [t.children() for t in trees]
+    best = [_likeliest_children(t, k) for t, k in zip(trees, kids)]
     cur = [0] * len(trees)
     res = [VerifyResult([], []) for _ in trees]
     live = list(range(len(trees)))
     while live:
-        want = logits.rows([offs[r] + cur[r] for r in live]).argmax(-1).tolist()
-        still = []
-        for r, w in zip(live, want):
-            res[r].tokens.append(w)
-            nxt = next((c for c in kids[r][cur[r]] if trees[r].tokens[c] == w), None)
-            if nxt is not None:
+        chains = []
+        for r in live:
+            chain = [cur[r]]
+            while len(chain) <= ahead and best[r][chain[-1]] >= 0:
+                chain.append(best[r][chain[-1]])
+            chains.append(chain)
+        want = logits.rows([offs[r] + n for r, chain in zip(live, chains) for n in chain]).argmax(-1).tolist()
+        still, at = [], 0
+        for r, chain in zip(live, chains):
+            for j in range(len(chain)):
+                w = want[at + j]
+                res[r].tokens.append(w)
+                nxt = next((c for c in kids[r][cur[r]] if trees[r].tokens[c] == w), None)
+                if nxt is None:
+                    break
                 res[r].accepted.append(nxt)
                 cur[r] = nxt
-                still.append(r)
+                if j + 1 == len(chain) or chain[j + 1] != nxt:  # off the projected chain: project from here
+                    still.append(r)
+                    break
+            at += len(chain)
         live = still
     return res
+
+
+def _likeliest_children(tree: Tree, kids: list[list[int]]) -> list[int]:
+    """Per node, its child with the best draft score (the first child where the tree has no scores; -1
+    for a leaf)."""
+    if tree.scores is None:
+        return [k[0] if k else -1 for k in kids]
+    return [max(k, key=lambda c: tree.scores[c]) if k else -1 for k in kids]
 
 
 def greedy_walk(tokens: torch.Tensor, parents: torch.Tensor, argmax: torch.Tensor, depth: int):

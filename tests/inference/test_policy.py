@@ -13,6 +13,7 @@ from draftheads.inference.proposers.base import Proposer, RequestState
 from draftheads.inference.proposers.random_draft import RandomProposer
 from draftheads.inference.sampling import SamplingParams
 from draftheads.inference.tree import Tree, TreeSpec, chain_parents, depths, parse_tree, prune
+from draftheads.inference.verify import verify_greedy
 from draftheads.testing import OracleProposer, random_heads
 
 
@@ -86,7 +87,8 @@ def test_cost_curve_interpolates_is_optimistic_past_what_it_measured_and_follows
     assert c.optimistic(4) is None
     c.seed({1: 100, 8: 200})
     assert c.estimate(4) == pytest.approx(0.1 + 0.1 * 3 / 7)
-    assert c.estimate(16) is None and c.optimistic(16) == pytest.approx(0.2)  # a lower bound, until measured
+    # past the largest size, a lower bound until measured: the slope between the two largest goes on
+    assert c.estimate(16) is None and c.optimistic(16) == pytest.approx(0.2 + 0.1 / 7 * 8)
     for _ in range(200):  # the machine slows down 1.5x: the sizes not measured since follow
         c.add(1, 0.15)
     assert c.estimate(1) == pytest.approx(0.15, rel=0.02)
@@ -367,6 +369,44 @@ def test_lazy_lm_head_projects_only_the_walked_nodes(tiny_target):
     (res,) = ExactVerifier().verify([st], [tree], logits)
     assert res.tokens[0] == am[0] and res.accepted[:1] == [1]
     assert logits.projected == 1 + len(res.accepted)  # the root, then one node per accepted depth
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_walk_that_projects_ahead_accepts_what_the_one_depth_walk_does(seed):
+    """Random trees whose target follows the draft's likeliest child most of the time: every look-ahead
+    gives the same walk, and one that covers the whole tree projects once per depth the draft missed."""
+    from draftheads.inference.verify import NodeLogits, _greedy_walk
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab, hidden = 6, 8
+    trees, offs, off = [], [], 0
+    for size in (1, 5, 9, 14):
+        parents = [-1] + [int(torch.randint(i, (1,), generator=gen)) for i in range(1, size)]
+        scores = [0.0] + torch.rand(size - 1, generator=gen).log().tolist()
+        trees.append(Tree(torch.randint(vocab, (size,), generator=gen).tolist(), parents, scores=scores))
+        offs.append(off)
+        off += size
+    h, w = torch.randn(off, hidden, generator=gen), torch.randn(vocab, hidden, generator=gen)
+    calls = {}
+    for ahead in (0, 1, 3, 16):
+        logits = NodeLogits(h, w)
+        rows = logits.rows
+        calls[ahead] = 0
+
+        def counted(idx, rows=rows, ahead=ahead):
+            calls[ahead] += 1
+            return rows(idx)
+
+        logits.rows = counted
+        got = _greedy_walk(trees, logits, offs, ahead)
+        want = [verify_greedy(t, (h[o: o + len(t)] @ w.T).argmax(-1).tolist()) for t, o in zip(trees, offs)]
+        assert [(r.accepted, r.tokens) for r in got] == [(r.accepted, r.tokens) for r in want]
+    assert calls[16] <= calls[3] <= calls[1] <= calls[0] == 1 + max(len(r.accepted) for r in want)
+    missed = []
+    for t, r in zip(trees, want):
+        kids, path = t.children(), [0, *r.accepted]
+        missed.append(sum(b != max(kids[a], key=lambda c: t.scores[c]) for a, b in zip(path, path[1:])))
+    assert calls[16] == 1 + max(missed)
 
 
 def test_synthetic_verifier_accepts_by_rate(tiny_target):
