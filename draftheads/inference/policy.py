@@ -17,9 +17,7 @@ A step, for a batch of ``B`` rows:
    charges it its share of the draft and of the verify forward beyond plain; when the decayed mean of
    the credit falls below that of the charge, the row decodes plainly and probes again after a wait
    that doubles on every losing probe, up to ``max_wait`` steps: a request whose drafts turn good
-   finds out within that bound. A probe counts as half the row's record (one lucky probe of a drafter
-   that seldom pays does not reopen it for long), and the wait halves on every step that pays, so a
-   row that flickers around break-even keeps probing sparsely. A new request drafts at once.
+   finds out within that bound. A new request drafts at once.
 2. **How deep** (:class:`Grow`, proposers that draft depth by depth): after each depth, the chance
    that the walk reaches it (the values of its best ``top_k`` nodes, each its parent's times its own)
    times the chance that it goes on one further is what one more depth returns; the draft goes deeper while that return per second of
@@ -140,8 +138,6 @@ class AutoPolicy:
     curve: CostCurve = field(default_factory=CostCurve)
     draft: DraftCost = field(default_factory=DraftCost)
     ema: float = 0.1  # weight of a step in a row's gate (a short run of rejections does not shut it)
-    probe_weight: float = 0.5  # weight of a probe in a shut row's gate
-    margin: float = 1.0  # a row drafts while it saves this many times what it spends
     min_wait: int = 1
     max_wait: int = 32
     plain_every: int = 64
@@ -269,16 +265,16 @@ class AutoPolicy:
             self._gate(st.gate, saved, spent, step)
 
     def _gate(self, g: RowGate, saved: float, spent: float, step: int) -> None:
-        w = 1.0 if g.saved is None else self.probe_weight if g.probing else self.ema
-        g.saved = saved if w == 1.0 else w * saved + (1 - w) * g.saved
-        g.spent = spent if w == 1.0 else w * spent + (1 - w) * g.spent
+        first = g.saved is None or g.probing
+        g.saved = saved if first else self.ema * saved + (1 - self.ema) * g.saved
+        g.spent = spent if first else self.ema * spent + (1 - self.ema) * g.spent
         g.probing = False
-        if g.saved < self.margin * g.spent:
+        if g.saved < g.spent:
             g.wait = min(max(2 * g.wait, self.min_wait), self.max_wait)
             g.open_at = step + 1 + g.wait
             g.probing = True
         else:
-            g.wait //= 2
+            g.wait = 0
 
     def report(self) -> dict:
         """Per batch size: steps, drafted steps, mean tokens verified per row, and the predicted against
