@@ -17,7 +17,9 @@ A step, for a batch of ``B`` rows:
    charges it its share of the draft and of the verify forward beyond plain; when the decayed mean of
    the credit falls below that of the charge, the row decodes plainly and probes again after a wait
    that doubles on every losing probe, up to ``max_wait`` steps: a request whose drafts turn good
-   finds out within that bound. A new request drafts at once.
+   finds out within that bound. A new request drafts at once; should that probe lose, it waits as
+   long as the last finished request last waited, not one step, so a drafter that did not pay on the
+   requests before costs a new one a probe or two rather than one every few steps.
 2. **How deep** (:class:`Grow`, proposers that draft depth by depth): after each depth, the chance
    that the walk reaches it (the values of its best ``top_k`` nodes, each its parent's times its own)
    times the chance that it goes on one further is what one more depth returns; the draft goes deeper while that return per second of
@@ -142,6 +144,7 @@ class AutoPolicy:
     max_wait: int = 32
     plain_every: int = 64
     walk_decay: float = 0.95
+    last_wait: int = 0  # the last wait of the last request to finish (a new request's first, if it loses)
     last_plain: dict[int, int] = field(default_factory=dict)  # batch key -> engine step of its last plain step
     walk: dict[int, list[float]] = field(default_factory=dict)  # batch key -> [decayed seconds, decayed levels]
     stats: dict[int, dict[str, float]] = field(default_factory=dict)  # batch key -> report counters
@@ -153,10 +156,11 @@ class AutoPolicy:
     # ------------------------------------------------------------------ requests
 
     def start(self, st: RequestState) -> None:
-        st.gate = RowGate()
+        st.gate = RowGate(wait=self.last_wait // 2)
         self.acceptance.start(st.rid)
 
     def finish(self, st: RequestState) -> None:
+        self.last_wait = st.gate.wait
         self.acceptance.finish(st.rid)
 
     # ------------------------------------------------------------------ the step
