@@ -122,11 +122,16 @@ TIE_ULPS = 4
 """Two logits within this many units in the last place of the target's dtype are a near tie."""
 
 
+def first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first token where ``a`` and ``b`` differ (the shorter length if one is a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 @torch.no_grad()
 def classify_divergence(model, prompt: list[int], a: list[int], b: list[int]) -> dict:
     """Where greedy outputs ``a`` and ``b`` of ``prompt`` first differ, and whether the target's logits
     there (one plain forward over the common prefix) tie the two tokens within ``TIE_ULPS`` ulps."""
-    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    j = first_difference(a, b)
     if j >= min(len(a), len(b)):  # one output stops where the other goes on: not a choice between two tokens
         return {"at": j, "margin": float("inf"), "near_tie": False}
     ids = torch.tensor([list(prompt) + list(a[:j])], device=model.device)

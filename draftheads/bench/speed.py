@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from draftheads.evaluation import first_difference
 from draftheads.inference.engine import Engine
 from draftheads.inference.sampling import SamplingParams
 from draftheads.inference.timing import Run, generation_run, interleaved, tokens_per_forward, warm_up
@@ -94,9 +95,8 @@ def same_text(base: list[Run], runs: list[Run]) -> dict:
     same, share = 0, 0.0
     for b, r in zip(base, runs):
         x, y = b.outputs[0].token_ids, r.outputs[0].token_ids
-        at = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
         same += x == y
-        share += at / max(len(x), 1)
+        share += first_difference(x, y) / max(len(x), 1)
     return {"same_text": same, "prompts": len(base), "shared_prefix": share / max(len(base), 1)}
 
 

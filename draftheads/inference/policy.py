@@ -102,7 +102,8 @@ class Grow:
             idx = parents.long().clamp(min=0)
             above, up = self.scores.gather(1, idx), self.values.gather(1, idx)
         table = torch.tensor([acc.rates(st.rid, depth) for st in self.rows], device=scores.device)  # [R, bins]
-        bins = torch.bucketize((scores - above).clamp(max=0).exp(), _edges(scores.device), right=True)
+        edges = torch.tensor(EDGES, device=scores.device)
+        bins = torch.bucketize((scores - above).clamp(max=0).exp(), edges, right=True)
         values = up * table.gather(1, bins)
         self.scores = scores if self.scores is None else torch.cat([self.scores, scores], 1)
         self.values = values if self.values is None else torch.cat([self.values, values], 1)
@@ -291,15 +292,6 @@ class AutoPolicy:
                         "predicted_tokens_per_step": s["predicted"] / d if d else 0.0,
                         "measured_tokens_per_step": s["measured"] / d if d else 0.0}
         return out
-
-
-_EDGE_CACHE: dict = {}
-
-
-def _edges(device) -> torch.Tensor:
-    if device not in _EDGE_CACHE:
-        _EDGE_CACHE[device] = torch.tensor(EDGES, device=device)
-    return _EDGE_CACHE[device]
 
 
 def _with_ancestors(tree: Tree, node: int) -> set[int]:
