@@ -28,13 +28,14 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q
 
+# The main job on the embedded default target: recipes/demo.yaml under runs/demo/ (DEMO_ARGS: e.g. --redo all).
 demo: $(STAMP)
-	WANDB_MODE=$${WANDB_MODE:-offline} HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) scripts/demo.py $(DEMO_ARGS)
+	WANDB_MODE=$${WANDB_MODE:-offline} HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(VENV)/bin/draftheads recipe run recipes/demo.yaml $(DEMO_ARGS)
 
-# The shipped reference EAGLE-3 head: synthesize -> distill --features -> train -> export -> eval -> bench ->
-# scaling -> package, under runs/reference/ (log: runs/reference/log.txt; resumes where it stopped). Hours on 2 CPU cores.
+# The shipped reference EAGLE-3 head: recipes/smollm2-135m.yaml under runs/reference/ (log: runs/reference/log.txt;
+# resumes where it stopped, its text kept in data/reference). Hours on 2 CPU cores.
 reference-head: $(STAMP)
-	WANDB_MODE=$${WANDB_MODE:-offline} HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) scripts/reference_head.py $(REFERENCE_ARGS)
+	WANDB_MODE=$${WANDB_MODE:-offline} HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(VENV)/bin/draftheads recipe run recipes/smollm2-135m.yaml $(REFERENCE_ARGS)
 
 # vLLM serving the exported heads, compared with our engine (own venv: .venv-vllm, 3.4 GB; a fresh clone took 53 min on 2 CPU cores).
 vllm-check: $(STAMP)

@@ -173,17 +173,20 @@ def synthesize(out: str, target: TargetOptions, engine: EngineOptions,
 
 
 def feature_layers(spec: str, num_layers: int, flag: str = "--layers") -> list[int]:
-    """A head family's name (the layers its training reads) or a comma list of HF hidden-state ids."""
+    """A head family's name (the layers its training reads), several joined by ``+`` (every layer any of
+    them reads), or a comma list of HF hidden-state ids."""
     from draftheads.heads import FAMILIES
 
-    if spec in FAMILIES:
-        return FAMILIES[spec].feature_layers(num_layers)
+    names = spec.split("+")
+    if all(n in FAMILIES for n in names):
+        return sorted({i for n in names for i in FAMILIES[n].feature_layers(num_layers)})
     try:
         ids = [int(x) for x in spec.split(",") if x.strip()]
     except ValueError:
         ids = []
     if not ids:
-        raise DraftheadsError(f"{flag} {spec!r}: use {', '.join(FAMILIES)} or a comma list of ids like 2,15,27,30")
+        raise DraftheadsError(f"{flag} {spec!r}: use {', '.join(FAMILIES)} (several joined by +, e.g. eagle3+dflash) "
+                              "or a comma list of ids like 2,15,27,30")
     from draftheads.targets import check_layer_ids
 
     return check_layer_ids(ids, num_layers, flag)
@@ -457,9 +460,33 @@ def bench(out: str, target: TargetOptions, command_line: CommandLine,
     return 0
 
 
+def recipe(action: Annotated[str, Flag(positional=True, choices="draftheads.recipe.run:ACTIONS")],
+           file: Annotated[str, Flag(positional=True)],
+           set_: Annotated[list[str] | None, Flag(name="--set")] = None, redo: str = "", only: str = "",
+           dry_run: bool = False) -> int:
+    """Take a target to a packaged head: every stage of a recipe file (see recipes/), resumable.
+
+    Args:
+        action: run (the stages), or fits (write the configs of the unfinished fits of --only, default
+            train,extend, and print their paths in order: for a training job on a cluster)
+        file: the recipe YAML
+        set_: override recipe fields, e.g. --set data.synthesize=8600 heads.0.epochs=1
+        redo: comma list of stages to make again (and the ones after them), or all
+        only: comma list of the stages to run, the others left as they are
+        dry_run: print every stage's commands and settings; load no model, write nothing
+    """
+    from draftheads.recipe.run import run_recipe, write_fits
+
+    if action == "fits":
+        for cfg in write_fits(file, set_ or [], only):
+            print(cfg)
+        return 0
+    return run_recipe(file, set_ or [], redo, only, dry_run)
+
+
 COMMANDS = {"info": info, "generate": generate, "distill": distill, "synthesize": synthesize,
             "cache-features": cache_features, "profile": profile, "export": export, "import": import_,
-            "eval": eval_, "bench": bench}
+            "eval": eval_, "bench": bench, "recipe": recipe}
 """Subcommand name -> its function; the function's signature is its flags."""
 
 

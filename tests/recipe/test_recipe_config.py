@@ -1,0 +1,224 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftheads.errors import DraftheadsError
+from draftheads.recipe import scaling
+from draftheads.recipe.config import load_recipe
+from draftheads.recipe.run import run_recipe
+from draftheads.recipe.stages import Plan, run_epochs
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+EAGLE3 = str(ROOT / "configs/smollm2-eagle3-reference.yaml")
+
+
+def _write(tmp_path, **fields) -> Path:
+    body = {"name": "t", "run_dir": str(tmp_path / "run"), "heads": [{"family": "eagle3", "config": EAGLE3}]} | fields
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_shipped_recipe_loads_and_lists_its_stages_without_a_model(path, capsys, monkeypatch):
+    import draftheads.targets
+
+    monkeypatch.setattr(draftheads.targets, "load_target", lambda *a, **k: pytest.fail("a dry run loaded a model"))
+    assert run_recipe(str(path), ["run_dir=" + str(Path("/nonexistent") / path.stem)], dry_run=True, cwd=ROOT) == 0
+    out = capsys.readouterr().out
+    recipe = load_recipe(path)
+    assert f"recipe {recipe.name}: target {recipe.target}" in out and "error:" not in out
+    for stage in ("distill", "train", "export", "eval") + (("features",) if recipe.data.features == "cache" else ()):
+        assert f". {stage} [" in out
+    assert f"train-head fit --config /nonexistent/{path.stem}/main/train.yaml" in out
+    assert f"draftheads eval --target {recipe.target} --head /nonexistent/{path.stem}/" in out
+
+
+def test_a_gpu_recipe_generates_with_vllm_and_trains_online(capsys):
+    assert run_recipe(str(ROOT / "recipes/llama31-8b-eagle3.yaml"), ["run_dir=/nonexistent/l"], dry_run=True, cwd=ROOT) == 0
+    out = capsys.readouterr().out
+    assert ". features [" not in out  # online: the target runs inside training
+    assert "--engine vllm --tensor-parallel-size 1 --data-parallel-size 8" in out
+    assert "--dtype bfloat16" in out and "eval --target meta-llama/Llama-3.1-8B-Instruct" in out
+    assert out.count("--device cuda") == 5  # synthesize, distill, export, eval, bench
+    plan = Plan(load_recipe(ROOT / "recipes/llama31-8b-eagle3.yaml", ["run_dir=/tmp/x"]), ROOT, "c")
+    train = next(s for s in plan.stages() if s.name == "train")
+    assert train.needs == ("distill",)
+
+
+def test_the_reference_recipe_lists_every_stage_and_command(capsys):
+    assert run_recipe(str(ROOT / "recipes/smollm2-135m.yaml"), ["run_dir=/nonexistent/ref"], dry_run=True, cwd=ROOT) == 0
+    out = capsys.readouterr().out
+    names = [line.split(". ", 1)[1].split(" [")[0] for line in out.splitlines() if line[:3].strip().rstrip(".").isdigit()]
+    assert names == ["synthesize", "distill", "features", "train", "extend", "export", "eval", "package", "bench",
+                     "compare", "scaling", "serve"]
+    assert "synthesize --target smollm2-135m --num-prompts 4300" in out
+    assert "--layers eagle3+dflash+dspark" in out  # the features every head reads
+    # the block drafters' eval and bench modes: their served chain of 7 and the small tree beside chain 3
+    assert "--head /nonexistent/ref/dflash/head --prompts bundled:eval --limit-per-domain 12 --max-new-tokens 128 " \
+           "--tree chain3,chain7,small" in out
+    assert "--tree auto,chain7,small --only proposers,batch" in out
+
+
+def test_a_wrong_field_is_one_line_naming_it(tmp_path):
+    cases = [({"dataa": {}}, "recipe field dataa: unknown field; did you mean data?"),
+             ({"data": {"synthesise": 10}}, "recipe field data.synthesise: unknown field; did you mean synthesize?"),
+             ({"data": {"batch_size": "many"}}, "recipe field data.batch_size: expected int, got 'many'"),
+             ({"data": {"engine": "sglang"}}, "recipe field data.engine: 'sglang': use one of draftheads, vllm"),
+             ({"heads": [{"family": "eagle4", "config": EAGLE3}]}, "recipe field heads.0.family: 'eagle4'"),
+             ({"heads": [{"family": "eagle3"}]}, "recipe field heads.0.config: is required"),
+             ({"heads": []}, "recipe field heads: is empty"),
+             ({"heads": [{"family": "eagle3", "config": EAGLE3, "rounds": [2, 0]}]}, "heads.0.rounds: [2, 0]"),
+             ({"eval": {"modes": ["chain3", "chain3"]}}, "recipe field eval.modes 'chain3,chain3': give one or more"),
+             ({"package": {"dir": "x", "mode": "medium"}}, "recipe field package.mode: 'medium' is not among eval.modes")]
+    for fields, message in cases:
+        with pytest.raises(DraftheadsError) as e:
+            load_recipe(_write(tmp_path, **fields))
+        assert message in str(e.value) and "\n" not in str(e.value), (fields, str(e.value))
+
+
+def test_set_overrides_fields_and_refuses_a_path_that_is_not_there(tmp_path):
+    path = _write(tmp_path)
+    r = load_recipe(path, ["data.synthesize=12", "heads.0.rounds=[1, 2]", "eval.modes=[chain3]"])
+    assert r.data.synthesize == 12 and r.heads[0].rounds == [1, 2] and r.eval.modes == ["chain3"]
+    with pytest.raises(DraftheadsError, match="--set heads.3.epochs: heads.3 is not in the recipe"):
+        load_recipe(path, ["heads.3.epochs=1"])
+    with pytest.raises(DraftheadsError, match="use field.path=value"):
+        load_recipe(path, ["data.synthesize"])
+    with pytest.raises(DraftheadsError, match="recipe field data.synthesise: unknown field"):
+        load_recipe(path, ["data.synthesise=3"])
+
+
+def test_the_command_line_prints_one_error_line_for_a_bad_recipe(tmp_path):
+    path = _write(tmp_path, data={"max_new_tokens": 0})
+    proc = subprocess.run([sys.executable, "-m", "draftheads.cli", "recipe", "run", str(path), "--dry-run"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: recipe field data.max_new_tokens: 0 must be >= 1"
+
+
+def test_a_warm_restart_takes_restart_lr_and_the_model_overrides(tmp_path):
+    head = {"family": "eagle3", "config": EAGLE3, "init_head": "reference", "restart_lr": 3e-4,
+            "model": {"intermediate_size": 3072}, "epochs": 1, "precision": "32"}
+    plan = Plan(load_recipe(_write(tmp_path, heads=[head])), tmp_path, "cmd")
+    plan.write_config(tmp_path / "main", plan.recipe.head, None, tmp_path / "shipped", 1.0, None)
+    cfg = yaml.safe_load((tmp_path / "main/train.yaml").read_text())
+    init = cfg["model"]["init_args"]
+    assert (init["intermediate_size"], init["init_head"], init["lr"]) == (3072, str(tmp_path / "shipped"), 3e-4)
+    assert init["target"] == "smollm2-135m" and init["head_dir"] == str(tmp_path / "main/head")
+    assert cfg["trainer"]["max_epochs"] == 1 and cfg["trainer"]["precision"] == "32"
+    base = yaml.safe_load(Path(EAGLE3).read_text())["model"]["init_args"]["lr"]
+    plan.write_config(tmp_path / "new", plan.recipe.head, None, None, 1.0, None)
+    init = yaml.safe_load((tmp_path / "new/train.yaml").read_text())["model"]["init_args"]
+    assert init["lr"] == base and "init_head" not in init
+
+
+def test_the_other_heads_train_their_own_epochs_and_share_the_compare_modes(tmp_path):
+    heads = [{"family": "eagle3", "config": EAGLE3, "epochs": 1, "rounds": [3]},
+             {"family": "dflash", "config": str(ROOT / "configs/smollm2-dflash-reference.yaml"), "epochs": 4,
+              "modes": ["chain3", "chain7", "small"]}]
+    plan = Plan(load_recipe(_write(tmp_path, heads=heads, bench={})), tmp_path, "cmd")
+    assert run_epochs(plan.recipe.head) == 4
+    stage = next(s for s in plan.stages() if s.name == "compare")
+    labels = [s.label for s in stage.steps]
+    assert labels == ["compare dflash", "compare eval eagle3", "compare eval dflash", "compare bench"]
+    stage.steps[0].prepare()
+    assert yaml.safe_load((tmp_path / "run/dflash/train.yaml").read_text())["trainer"]["max_epochs"] == 4
+    tree = lambda argv: argv[argv.index("--tree") + 1]  # noqa: E731
+    assert {tree(s.argv) for s in stage.steps[1:3]} == {"chain3,chain7,small"}
+    assert tree(stage.steps[3].argv) == "auto,chain7,small"  # and chain3, which the bench always runs
+    assert str(tmp_path / "run/extended/head") in stage.steps[3].argv
+
+
+def test_a_scaling_point_trains_as_many_steps_as_the_full_set():
+    for fraction, epochs, every in [(0.5, 4, 1), (0.25, 8, 2), (0.125, 16, 4)]:
+        s = scaling.schedule(2, fraction)
+        assert s["max_epochs"] * fraction == 2  # epochs x data = the full set's 2 epochs
+        assert (s["max_epochs"], s["check_val_every_n_epoch"], s["val_check_interval"]) == (epochs, every, 1.0)
+        assert s["max_epochs"] // s["check_val_every_n_epoch"] == 4  # validated 4 times, as the full set
+
+
+def test_scaling_table_shows_first_tokens_accuracy_where_a_head_has_it():
+    def point(tokens, acc, window=None, epochs=2):
+        p = {"answer_tokens": tokens, "epochs": epochs, "val_acc": acc, "val_sim_tau": 1.5, "tau_chain3": 1.4,
+             "speedup_chain3": 0.9}
+        return p | ({"val_window": 128, "val_window_acc": window, "val_window_sim_tau": 1.3} if window else {})
+
+    table = scaling.table([point(1000, [0.5, 0.4], [0.42, 0.3], epochs=16), point(8000, [0.6, 0.5])], 3, 128)
+    lines = table.splitlines()
+    assert "first 128" in lines[0] and "val acc@1 (first 128)" in lines[2]
+    assert len({len(line.split("|")) for line in lines[2:]}) == 1  # header, rule and rows line up
+    assert "| 1,000 | 16 | 0.500 | 0.400 | 1.50 | 0.420 | 1.30 | 1.40 | 0.90x |" in table
+    assert "| 8,000 | 2 | 0.600 | 0.500 | 1.50 | – | – | 1.40 | 0.90x |" in table
+    assert "first" not in scaling.table([point(8000, [0.6, 0.5])], 3, 128)
+
+
+def test_from_answer_caches_features_for_the_answers_from_that_one_on(tmp_path):
+    plan = Plan(load_recipe(_write(tmp_path, data={"from_answer": 3, "store": str(tmp_path / "store")})), tmp_path, "c")
+    plan.answers.parent.mkdir(parents=True)
+    plan.answers.write_text("".join(json.dumps({"id": f"p{i}"}) + "\n" for i in range(5)))
+    assert plan.features_from() == 0 and not plan.same_pass()
+    plan._slice()
+    assert [json.loads(x)["id"] for x in plan.answers_from().read_text().splitlines()] == ["p3", "p4"]
+    assert plan.features_from() == 3  # a rerun with another from_answer makes the features again
+    plan.recipe.data.from_answer = 5
+    with pytest.raises(DraftheadsError, match="holds 5 answers"):
+        plan._slice()
+
+
+def test_only_refuses_a_stage_whose_input_is_unfinished(tmp_path):
+    path = _write(tmp_path, scaling={})
+    with pytest.raises(SystemExit, match="--only scaling reads what features makes, and it is not finished"):
+        run_recipe(str(path), only="scaling", cwd=tmp_path)
+    assert not (tmp_path / "run/scaling").exists()
+    with pytest.raises(DraftheadsError, match="--only nope: no such stage"):
+        run_recipe(str(path), only="scaling,nope", cwd=tmp_path)
+
+
+def test_only_refuses_a_redo_of_its_input_before_removing_anything(tmp_path):
+    path = _write(tmp_path, scaling={})
+    (tmp_path / "run/features").mkdir(parents=True)
+    (tmp_path / "run/features/index.json").write_text("{}")
+    (tmp_path / "run/recipe.json").write_text(json.dumps({"recipe": "t", "target": "smollm2-135m"}))
+    with pytest.raises(SystemExit, match="--only scaling reads what features makes, and --redo makes features again"):
+        run_recipe(str(path), redo="distill", only="scaling", cwd=tmp_path)
+    assert (tmp_path / "run/features/index.json").is_file()  # a redo of distill would have removed the features
+
+
+def test_a_redone_stage_leaves_none_of_its_old_tables(tmp_path):
+    path = _write(tmp_path, bench={})
+    run = tmp_path / "run"
+    for f in ("eval/results.json", "eval/results.md", "eval/tau_by_domain.png", "bench/results.md", "recipe.json"):
+        (run / f).parent.mkdir(parents=True, exist_ok=True)
+        (run / f).write_text(json.dumps({"recipe": "t", "target": "smollm2-135m"}))
+    with pytest.raises(SystemExit, match="--only eval reads what train makes"):  # no head: nothing to evaluate
+        run_recipe(str(path), redo="eval", only="eval", cwd=tmp_path)
+    assert not (run / "eval").exists() and not (run / "bench").exists()  # a redo redoes what follows
+
+
+def test_a_run_directory_of_another_recipe_is_refused_before_anything_runs(tmp_path):
+    path = _write(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/recipe.json").write_text(json.dumps({"recipe": "other", "target": "smollm2-135m"}))
+    with pytest.raises(DraftheadsError, match="made by recipe 'other'"):
+        run_recipe(str(path), cwd=tmp_path)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["recipe.json"]
+
+
+def test_fits_writes_the_configs_of_the_unfinished_fits_in_order(tmp_path):
+    from draftheads.recipe.run import write_fits
+
+    path = _write(tmp_path, heads=[{"family": "eagle3", "config": EAGLE3, "rounds": [1, 2]}])
+    run = tmp_path / "run"
+    assert write_fits(str(path), cwd=tmp_path) == [run / "main/train.yaml", run / "extended/train.yaml",
+                                                   run / "extended2/train.yaml"]
+    second = yaml.safe_load((run / "extended2/train.yaml").read_text())
+    assert second["model"]["init_args"]["init_head"] == str(run / "extended/head")
+    assert second["trainer"]["max_epochs"] == 2
+    (run / "main/head").mkdir()
+    assert write_fits(str(path), cwd=tmp_path, only="extend")[0] == run / "extended/train.yaml"
+    assert write_fits(str(path), cwd=tmp_path, only="train") == []
