@@ -66,16 +66,51 @@ def tiny_llama_config(vocab_size: int, **overrides):
     return LlamaConfig(**kw)
 
 
+def tiny_qwen3_config(vocab_size: int, **overrides):
+    """Qwen3's shape in small: RMS norms on q and k, an explicit head dimension."""
+    from transformers import Qwen3Config
+
+    kw = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    kw.update(overrides)
+    return Qwen3Config(**kw)
+
+
+def tiny_gemma3_config(vocab_size: int, **overrides):
+    """Gemma-3's shape in small: sliding-window layers between full ones, tied embeddings scaled by
+    sqrt(hidden), q/k norms, a vocabulary over 200 k (ids past the tokenizer's are never written)."""
+    from transformers import Gemma3TextConfig
+
+    kw = dict(
+        vocab_size=max(vocab_size, 262_208), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=16, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0,
+    )
+    kw.update(overrides)
+    return Gemma3TextConfig(**kw)
+
+
+TINY_CONFIGS = {"llama": tiny_llama_config, "qwen3": tiny_qwen3_config, "gemma3": tiny_gemma3_config}
+"""Tiny random targets by architecture family: what real families differ in, at test size."""
+
+
 def save_tiny_llama(out: str | Path, seed: int = 0, chat_template: bool = True, dtype=torch.float32,
-                    **config_overrides) -> Path:
-    """Write a random tiny Llama model + tokenizer as a HF model directory (weights in ``dtype``; config
-    overrides give other shapes, e.g. Llama-3-8B's layers for a GPU smoke run)."""
+                    arch: str = "llama", **config_overrides) -> Path:
+    """Write a random tiny model + tokenizer as a HF model directory: a Llama, or ``arch`` qwen3 / gemma3
+    (weights in ``dtype``; config overrides give other shapes, e.g. Llama-3-8B's layers for a GPU smoke run).
+    ``chat_template`` False: a base model, whose tokenizer has none."""
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
     tok = tiny_tokenizer(chat_template=chat_template)
     torch.manual_seed(seed)
-    cfg = tiny_llama_config(config_overrides.pop("vocab_size", len(tok)), **config_overrides)  # ids past the tokenizer's are fine
+    # ids past the tokenizer's are fine
+    cfg = TINY_CONFIGS[arch](config_overrides.pop("vocab_size", len(tok)), **config_overrides)
     model = AutoModelForCausalLM.from_config(cfg)
     # larger-than-default weights make the random model's argmax depend on context
     with torch.no_grad():

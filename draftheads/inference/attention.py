@@ -48,18 +48,24 @@ class PagedStep:
     def rows(self) -> int:
         return len(self.prefix_lens)
 
-    def additive_mask(self, row: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """[q, prefix + q] additive mask of one row (built once per forward and dtype); None when the
-        row's queries see everything (a single query token)."""
-        key = (row, dtype)
+    def additive_mask(self, row: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor | None:
+        """[q, prefix + q] additive mask of one row (built once per forward, dtype and window); None when
+        the row's queries see everything (a single query token within the window). ``window``: a sliding
+        window layer's, where a query at position p sees keys at positions > p - window (HF's rule)."""
+        key = (row, dtype, window)
         if key not in self._additive:
-            if self.tree_masks[row].shape[0] == 1:  # a lone query token sees every key (no host read)
+            tree, prefix = self.tree_masks[row], self.prefix_lens[row]
+            q = tree.shape[0]
+            if q == 1 and (window is None or prefix < window):  # a lone query token sees every key (no host read)
                 self._additive[key] = None
                 return None
-            tree = self.tree_masks[row]
-            q = tree.shape[0]
-            m = torch.zeros(q, self.prefix_lens[row] + q, dtype=dtype, device=tree.device)
-            m[:, self.prefix_lens[row]:].masked_fill_(~tree, float("-inf"))
+            m = torch.zeros(q, prefix + q, dtype=dtype, device=tree.device)
+            m[:, prefix:].masked_fill_(~tree, float("-inf"))
+            if window is not None:
+                depth = tree.sum(1) - 1  # [q] a node's ancestors in the tree are the nodes it sees, itself included
+                q_pos = prefix + depth
+                k_pos = torch.cat([torch.arange(prefix, device=tree.device), q_pos])
+                m.masked_fill_(k_pos[None, :] <= q_pos[:, None] - window, float("-inf"))
             self._additive[key] = m
         return self._additive[key]
 
@@ -81,10 +87,12 @@ class StepCache:
         return 0
 
 
-def torch_paged_tree_attention(query, step: PagedStep, layer: int, scaling: float) -> torch.Tensor:
+def torch_paged_tree_attention(query, step: PagedStep, layer: int, scaling: float,
+                               window: int | None = None) -> torch.Tensor:
     """Reference: query [1, H, total_q, D] -> [total_q, H, D]. A row whose K/V lie in a reserved
     contiguous region is read as a view; other rows are gathered through their slots. The product runs
-    in the cache's dtype (float32 K/V on a CPU: see ``EngineConfig.kv_dtype``), the output in the query's."""
+    in the cache's dtype (float32 K/V on a CPU: see ``EngineConfig.kv_dtype``), the output in the query's.
+    ``window``: the layer's sliding window (None: full attention)."""
     out = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
     for b in range(step.rows):
         s, e = step.query_start[b], step.query_start[b + 1]
@@ -95,16 +103,21 @@ def torch_paged_tree_attention(query, step: PagedStep, layer: int, scaling: floa
         kv = kv.transpose(1, 2)  # [2, kv_heads, S, D]
         q = query[:, :, s:e].to(kv.dtype)  # [1, H, q, D]; 4D inputs keep SDPA on its fast CPU kernels
         o = F.scaled_dot_product_attention(
-            q, kv[0:1], kv[1:2], attn_mask=step.additive_mask(b, q.dtype), scale=scaling, enable_gqa=True
+            q, kv[0:1], kv[1:2], attn_mask=step.additive_mask(b, q.dtype, window), scale=scaling, enable_gqa=True
         )
         out[s:e] = o[0].transpose(0, 1)
     return out
 
 
 def paged_tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """AttentionInterface entry: K/V were written by :class:`StepCache`; read them from the pages."""
+    """AttentionInterface entry: K/V were written by :class:`StepCache`; read them from the pages. A
+    sliding-window layer (Gemma-3, Mistral: the model passes ``sliding_window``) masks the keys that fell out
+    of its window, on the torch path."""
     step: PagedStep = kwargs["paged_step"]
-    if step.use_triton:
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        out = torch_paged_tree_attention(query, step, module.layer_idx, scaling, window)
+    elif step.use_triton:
         from draftheads.kernels.tree_attention import paged_tree_attention_triton
 
         out = paged_tree_attention_triton(query, step, module.layer_idx, scaling)

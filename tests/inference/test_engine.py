@@ -225,3 +225,21 @@ def test_a_head_drafts_in_the_target_dtype(tiny_target, name):
     assert floats == {torch.bfloat16}, floats
     (out,) = make_engine(target, proposer, tree="chain3").generate([PROMPTS[2]], PARAMS)
     assert len(out.token_ids) == NEW and out.metrics.drafts > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_greedy_identity_on_other_families(arch, tmp_path):
+    """Qwen3 (q/k norms) and Gemma-3 (sliding-window layers, tied scaled embeddings): plain decoding and a
+    tree of random drafts give HF's greedy text, also past the sliding window (16 tokens here)."""
+    from draftheads.targets import load_target
+    from draftheads.testing import save_tiny_llama
+
+    target = load_target(str(save_tiny_llama(tmp_path / arch, arch=arch)))
+    model, prompt = target.model, PROMPTS[2]
+    assert len(prompt) + NEW > 2 * 16
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    for proposer, tree in ((None, None), (RandomTreeProposer(300), SPEC), (OracleProposer(model, 3, 2, 300), SPEC)):
+        for batch in (1, 3):
+            outs = Engine(model, target.tokenizer, proposer, tree=tree).generate([prompt] * batch, PARAMS)
+            assert all(o.token_ids == want for o in outs), (arch, type(proposer).__name__, batch)
