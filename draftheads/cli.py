@@ -109,11 +109,11 @@ def distill(prompts: list[str], out: str, target: TargetOptions, sampling: Sampl
         val_fraction: prompts held out as the cache's val split
         extend: OUT exists: answer only the prompts it lacks (the others unchanged), adding to its feature cache
     """
+    from draftheads.datagen.backends import check_engine
+    from draftheads.datagen.distill import check_distill
+    from draftheads.datagen.distill import distill as run
     from draftheads.prompts import load_prompts
     from draftheads.targets import text_config
-    from draftheads.training.backends import check_engine
-    from draftheads.training.distill import check_distill
-    from draftheads.training.distill import distill as run
 
     sampling.params(max_new_tokens)
     rows = [p for f in prompts for p in load_prompts(f, domains=domains, limit_per_domain=limit_per_domain)]
@@ -134,7 +134,7 @@ def distill(prompts: list[str], out: str, target: TargetOptions, sampling: Sampl
 def synthesize(out: str, target: TargetOptions, engine: EngineOptions,
                sampling: SamplingOptions = SamplingOptions(temperature=1.0, top_p=0.95),
                num_prompts: Positive = 600,
-               domains: Annotated[tuple[str, ...] | None, Flag(choices="draftheads.training.synthesize:SYNTH_DOMAINS")]
+               domains: Annotated[tuple[str, ...] | None, Flag(choices="draftheads.datagen.synthesize:SYNTH_DOMAINS")]
                = None,
                multi_turn: float = 0.15, max_prompt_tokens: Positive = 160, batch_size: Positive = 64,
                dedup_threshold: float = 0.7, round_size: Positive = 192, extend: bool = False) -> int:
@@ -151,8 +151,8 @@ def synthesize(out: str, target: TargetOptions, engine: EngineOptions,
         round_size: candidates per round (the unit of resume)
         extend: OUT exists: grow it to --num-prompts (its other settings unchanged)
     """
-    from draftheads.training.synthesize import SYNTH_DOMAINS, SynthConfig
-    from draftheads.training.synthesize import synthesize as run
+    from draftheads.datagen.synthesize import SYNTH_DOMAINS, SynthConfig
+    from draftheads.datagen.synthesize import synthesize as run
 
     cfg = SynthConfig(num_prompts=num_prompts, domains=tuple(domains or SYNTH_DOMAINS), multi_turn=multi_turn,
                       temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,

@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from draftheads.inference.engine import Engine
-from draftheads.inference.metrics import SpecMetrics, mean_ci95
 from draftheads.inference.sampling import SamplingParams
 from draftheads.inference.timing import SLACK, generation_run, interleaved, tokens_per_forward, warm_up
+from draftheads.metrics import SpecMetrics, mean_ci95
 from draftheads.prompts import Prompt, encode_chat
 from draftheads.utils import atomic_write_json, atomic_write_text
 

@@ -28,9 +28,9 @@ from typing import Annotated, Any, NewType
 
 import docstring_parser
 
+from draftheads.datagen.backends import DEFAULT_VLLM_PYTHON
 from draftheads.errors import DraftheadsError
 from draftheads.targets import DEFAULT_TARGET
-from draftheads.training.backends import DEFAULT_VLLM_PYTHON
 
 CommandLine = NewType("CommandLine", str)
 """A parameter of this type receives the command as typed (``draftheads eval ...``), for result files."""
@@ -168,7 +168,7 @@ class DrafterOptions:
 class EngineOptions:
     """who writes the text"""
 
-    engine: Annotated[str, Flag(choices="draftheads.training.backends:ENGINES")] = "draftheads"
+    engine: Annotated[str, Flag(choices="draftheads.datagen.backends:ENGINES")] = "draftheads"
     """the project's engine (features captured in the generation pass) or vLLM (features through its
     extract_hidden_states)"""
     vllm_python: str = DEFAULT_VLLM_PYTHON
@@ -179,7 +179,7 @@ class EngineOptions:
     """vLLM data parallelism"""
     pipeline_parallel_size: Annotated[int, Flag(low=1)] = 1
     """vLLM pipeline parallelism (layers split across nodes)"""
-    vllm_executor: Annotated[str | None, Flag(choices="draftheads.training.backends:VLLM_EXECUTORS")] = None
+    vllm_executor: Annotated[str | None, Flag(choices="draftheads.datagen.backends:VLLM_EXECUTORS")] = None
     """vLLM's distributed executor: ray spans the nodes of a running Ray cluster (default: vLLM's choice,
     processes on this node)"""
 

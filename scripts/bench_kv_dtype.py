@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from draftheads.inference.batching import ContinuousBatcher, Conversation
+from draftheads.datagen.batching import ContinuousBatcher, Conversation
 from draftheads.inference.engine import Engine, EngineConfig
 from draftheads.inference.sampling import SamplingParams
 from draftheads.prompts import encode_chat, load_prompts

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from draftheads.datagen.backends import last_error
 from draftheads.errors import DraftheadsError
 from draftheads.evaluation import machine
 from draftheads.export.vllm import EXPORTS, export_head, vllm_loader_extra
@@ -31,7 +32,6 @@ from draftheads.inference.sampling import SamplingParams
 from draftheads.inference.timing import generation_run, interleaved, warm_up
 from draftheads.prompts import encode_chat, load_prompts
 from draftheads.targets import DEFAULT_TARGET, load_target, resolve_target, vllm_target_dir
-from draftheads.training.backends import last_error
 from draftheads.utils import atomic_write_json, atomic_write_text, shown_from
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from draftheads.inference.metrics import SpecMetrics, mean_ci95, simulated_tau, speedup
+from draftheads.metrics import SpecMetrics, mean_ci95, simulated_tau, speedup
 
 
 def test_tau_alpha_hand_counted():

@@ -159,7 +159,7 @@ def datagen(target, prompts: list[list[int]], n: int, batch: int = 64, single: i
     """Tokens/s of answering ``prompts`` (answers stop at end of turn, at most ``n`` tokens): one at a time,
     as static batches of ``batch`` (no refill), and with continuous batching (with and without capturing
     hidden states ``capture``). Ratios are to the batch-1 rate measured in the same run."""
-    from draftheads.inference.batching import ContinuousBatcher, Conversation
+    from draftheads.datagen.batching import ContinuousBatcher, Conversation
 
     model = target.model
     engine = Engine(model, target.tokenizer, None)

@@ -13,7 +13,6 @@ import torch
 from draftheads.errors import DraftheadsError
 from draftheads.inference.attention import PagedStep, StepCache, cache_argument, paged_attention
 from draftheads.inference.kv_cache import PagedKVCache
-from draftheads.inference.metrics import SpecMetrics
 from draftheads.inference.policy import AutoPolicy, StepPlan
 from draftheads.inference.proposers.base import Proposer, RequestState
 from draftheads.inference.sampling import SamplingParams, request_generator, sample_rows
@@ -27,6 +26,7 @@ from draftheads.inference.tree import (
     parse_tree,
 )
 from draftheads.inference.verify import VERIFIERS, NodeLogits
+from draftheads.metrics import SpecMetrics
 from draftheads.targets import capture_hidden_states, decoder_parts, eos_ids
 
 

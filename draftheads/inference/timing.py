@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from draftheads.inference.metrics import SpecMetrics
 from draftheads.inference.sampling import SamplingParams
+from draftheads.metrics import SpecMetrics
 
 SLACK = 1.02  # timer resolution and prefill noise
 DISTURBED = 1.25  # this far above the bound is not run-to-run noise (about 10 % here): the item was disturbed

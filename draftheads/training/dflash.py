@@ -21,10 +21,10 @@ import torch
 from draftheads.errors import DraftheadsError
 from draftheads.heads import DFlashHead, LayerSpec
 from draftheads.heads.dflash import BLOCK_MASKS, default_target_layer_ids
+from draftheads.kernels.linear_argmax import linear_argmax
 from draftheads.targets import check_layer_ids
 from draftheads.training.losses import (
     IGNORE_INDEX,
-    linear_argmax,
     linear_cross_entropy,
     linear_kl,
     linear_token_nll,

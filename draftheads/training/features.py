@@ -58,7 +58,7 @@ def write_feature_cache(
 ) -> Path:
     """Run the target over packed rows and write their features (the offline path), resuming the shards an
     interrupted run with the same settings committed (:func:`partial_dir`)."""
-    from draftheads.training.losses import linear_argmax
+    from draftheads.kernels.linear_argmax import linear_argmax
 
     lm_head = model.get_output_embeddings().weight
     last = model.config.get_text_config().num_hidden_layers

@@ -24,6 +24,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from draftheads.kernels.linear_argmax import linear_argmax
+
 IGNORE_INDEX = -100
 IMPLS = ("auto", "liger", "chunked", "compiled")
 """``impl`` of the losses: ``auto`` (Liger on CUDA, chunked torch elsewhere), ``liger``, ``chunked``, or
@@ -390,15 +392,6 @@ def plain_linear_block_distill(hs, ws, ht, wt, labels, ce_weight=0.1, tv_weight=
     kl = (p * (log_p - log_q)).sum()
     n = max(hs.shape[0], 1)
     return (ce_weight * ce + tv_weight * tv.sum() + kl_weight * kl) / n, 1 - tv.detach(), log_q.argmax(-1)
-
-
-@torch.no_grad()
-def linear_argmax(h, w, chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
-    """argmax of ``h @ w.T`` over the vocabulary, chunked. h [N, H] -> [N] int64."""
-    out = torch.empty(h.shape[0], dtype=torch.int64, device=h.device)
-    for s in range(0, h.shape[0], chunk_size):
-        out[s : s + chunk_size] = (h[s : s + chunk_size] @ w.T).argmax(-1)
-    return out
 
 
 def plain_linear_cross_entropy(h, w, labels):

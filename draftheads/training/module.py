@@ -20,10 +20,11 @@ from draftheads.errors import DraftheadsError
 from draftheads.heads import check_head_fits_target, load_head
 from draftheads.heads.base import HEAD_FILES, save_head_dir
 from draftheads.heads.vocab import DraftVocab, build_draft_vocab
-from draftheads.inference.metrics import simulated_tau
+from draftheads.kernels.linear_argmax import linear_argmax
+from draftheads.metrics import simulated_tau
 from draftheads.targets import freeze, hidden_states, load_target
 from draftheads.training.data import answer_window, doc_causal_mask
-from draftheads.training.losses import IMPLS, linear_argmax
+from draftheads.training.losses import IMPLS
 from draftheads.utils import check_output_dir
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 import pytest
 
-from draftheads.inference.metrics import SpecMetrics
 from draftheads.inference.timing import Run, interleaved, median_ci, plausible, tokens_per_forward
+from draftheads.metrics import SpecMetrics
 
 
 def _metrics(emitted, forwards):

@@ -9,9 +9,9 @@ from typing import Protocol
 import torch
 
 from draftheads.errors import DraftheadsError
-from draftheads.inference.metrics import SpecMetrics
 from draftheads.inference.sampling import SamplingParams
 from draftheads.inference.tree import Tree, TreeSpec
+from draftheads.metrics import SpecMetrics
 
 
 @dataclass

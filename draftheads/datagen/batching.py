@@ -24,7 +24,7 @@ from draftheads.inference.kv_cache import PagedKVCache
 from draftheads.inference.proposers.base import RequestState
 from draftheads.inference.sampling import SamplingParams, sample_rows
 from draftheads.inference.tree import Tree
-from draftheads.training.losses import linear_argmax
+from draftheads.kernels.linear_argmax import linear_argmax
 
 
 @dataclass

@@ -2,6 +2,7 @@
 conversations, answers and truncation marks as the project's engine."""
 
 import json
+import os
 import shutil
 import sys
 from collections import Counter
@@ -10,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftheads.datagen.distill import distill
 from draftheads.errors import DraftheadsError
 from draftheads.inference.engine import Engine
 from draftheads.inference.sampling import SamplingParams
 from draftheads.prompts import Prompt, encode_chat
 from draftheads.targets import load_target
-from draftheads.training.distill import distill
 
 FAKE = Path(__file__).with_name("_fake_vllm_runner.py")
 PROMPTS = [Prompt(f"p{i}", "chat", (f"question number {i}?",)) for i in range(5)] + [
@@ -119,7 +120,7 @@ def test_a_resume_keeps_its_engine(target_dir, tmp_path):
 
 
 def test_the_root_cause_of_a_failed_vllm_run_is_quoted():
-    from draftheads.training.backends import last_error
+    from draftheads.datagen.backends import last_error
 
     log = "\n".join([
         "(VllmWorker-0 pid=10) ERROR 12-01 20:16:28 [multiproc_executor.py:953]     raise ValueError(",
@@ -135,14 +136,14 @@ def test_the_root_cause_of_a_failed_vllm_run_is_quoted():
 
 
 def test_synthesize_through_the_fake_runner_writes_the_engines_prompts(tiny_llama_dir, tmp_path, monkeypatch):
-    from draftheads.training.synthesize import SynthConfig, synthesize
+    from draftheads.datagen.synthesize import SynthConfig, synthesize
 
     d = tmp_path / "tiny"
     shutil.copytree(tiny_llama_dir, d)
     vocab = load_target(str(d)).info.vocab_size
     # a random model rarely ends a turn: let a third of its vocabulary end one (on disk: both engines read it)
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(2, vocab, 3))}))
-    monkeypatch.setattr("draftheads.training.synthesize.is_request", lambda t: True)
+    monkeypatch.setattr("draftheads.datagen.synthesize.is_request", lambda t: True)
     cfg = SynthConfig(num_prompts=4, domains=("chat", "summarization"), round_size=6, max_prompt_tokens=12,
                       passage_tokens=16, answer_tokens=8, min_words=1, multi_turn=0.5, batch_size=4)
     ours = synthesize(load_target(str(d)), tmp_path / "ours.jsonl", cfg, progress=lambda m: None)
@@ -151,10 +152,16 @@ def test_synthesize_through_the_fake_runner_writes_the_engines_prompts(tiny_llam
     assert ours.read_text() == theirs.read_text() and len(ours.read_text().splitlines()) == 4
 
 
-def test_runner_gives_vllm_the_parallelism_and_capture_asked_for():
+def test_runner_gives_vllm_the_parallelism_and_capture_asked_for(monkeypatch):
     """The runner's LLM arguments (no vLLM needed): parallelism only when set, Ray for multi-node, and the
     hidden-states extraction with the stock connector on CUDA and the host-copy one without."""
-    from draftheads.vllm_runner import llm_kwargs, parse_args
+    import importlib.util
+
+    from draftheads.datagen import vllm_runner
+    from draftheads.datagen.vllm_runner import llm_kwargs, parse_args
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the host connector puts the runner's folder on both
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
 
     plain = llm_kwargs(parse_args(["--model", "m", "--max-model-len", "64"]), cuda=False)
     assert plain == {"model": "m", "tokenizer": "m", "dtype": "float32", "max_model_len": 64, "seed": 0}
@@ -169,8 +176,8 @@ def test_runner_gives_vllm_the_parallelism_and_capture_asked_for():
     assert kw["kv_transfer_config"]["kv_connector_extra_config"] == {"shared_storage_path": "/x"}
     host = llm_kwargs(parse_args(["--model", "m", "--capture", "2", "--capture-dir", "/x"]), cuda=False)
     assert host["kv_transfer_config"]["kv_connector"] == "HostHiddenStatesConnector"
-    assert (Path(__file__).parents[2] / "draftheads" / f"{host['kv_transfer_config']['kv_connector_module_path']}.py"
-            ).is_file()
+    spec = importlib.util.find_spec(host["kv_transfer_config"]["kv_connector_module_path"])
+    assert spec is not None and Path(spec.origin) == Path(vllm_runner.__file__).with_name("vllm_hidden_states.py")
 
 
 def test_the_cli_passes_vllm_options_to_the_runner(target_dir, tmp_path, monkeypatch):

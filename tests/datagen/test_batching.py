@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from draftheads.datagen.batching import ContinuousBatcher, Conversation
 from draftheads.errors import DraftheadsError
-from draftheads.inference.batching import ContinuousBatcher, Conversation
 from draftheads.inference.engine import Engine
 from draftheads.inference.sampling import SamplingParams
 from draftheads.targets import hidden_states

@@ -1,4 +1,4 @@
-"""A stand-in for draftheads/vllm_runner.py with the same JSON-lines protocol, generating with the project's
+"""A stand-in for draftheads/datagen/vllm_runner.py with the same JSON-lines protocol, generating with the project's
 own engine (greedy or seeded sampling), and answering like vLLM does for ``stop_token_ids``: the stop token
 is left out of ``token_ids`` and given as ``stop_reason``. With ``--capture`` it writes hidden-states files
 in vLLM's layout and convention (id i = the residual stream after layer i, so the last id is before the
@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from draftheads.vllm_runner import parse_args, protocol_channel
+from draftheads.datagen.vllm_runner import parse_args, protocol_channel
 
 
 def _vllm_hidden_states(model, ids, layers):

@@ -3,10 +3,10 @@ import json
 import pytest
 import torch
 
+from draftheads.datagen.distill import distill, turn_segments
 from draftheads.errors import DraftheadsError
 from draftheads.prompts import Prompt
 from draftheads.training.data import build_dataset, split_of
-from draftheads.training.distill import distill, turn_segments
 from draftheads.training.features import FeatureDataset, collate_features
 
 PROMPTS = [Prompt(f"p{i}", "chat", (f"question number {i}?",)) for i in range(7)] + [
@@ -80,7 +80,7 @@ def test_resume_after_a_kill_has_no_duplicates_or_gaps(tiny_target, tmp_path):
     ref_recs = sorted(ref.read_text().splitlines())
 
     calls = {"n": 0}
-    from draftheads.inference.batching import ContinuousBatcher
+    from draftheads.datagen.batching import ContinuousBatcher
 
     real = ContinuousBatcher.run
 

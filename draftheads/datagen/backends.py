@@ -3,9 +3,9 @@
 * ``draftheads``: the project's engine (continuous batching over the paged KV cache), hidden states of
   the generation pass captured on the way.
 * ``vllm``: vLLM's offline ``LLM`` in its own environment (``.venv-vllm``), driven over JSON lines by
-  ``draftheads/vllm_runner.py``; features through vLLM's ``extract_hidden_states`` (see :class:`VLLMBackend`).
+  ``draftheads/datagen/vllm_runner.py``; features through vLLM's ``extract_hidden_states`` (see :class:`VLLMBackend`).
 
-Both follow the same conversation rules (:class:`~draftheads.inference.batching.ContinuousBatcher`): an
+Both follow the same conversation rules (:class:`~draftheads.datagen.batching.ContinuousBatcher`): an
 answer ends at an end-of-turn token or at its budget, min(max_new_tokens, max_seq_len - tokens so far);
 an answer cut at its budget is marked truncated and ends the conversation; after an end-of-turn token
 the next user turn's template tokens are appended when they fit below max_seq_len.
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from draftheads.datagen.batching import Conversation, Finished, check_first_prompt
 from draftheads.errors import DraftheadsError
-from draftheads.inference.batching import Conversation, Finished, check_first_prompt
 
-RUNNER = Path(__file__).resolve().parents[1] / "vllm_runner.py"
+RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
 
 
@@ -65,7 +65,7 @@ class EngineBackend:
     def __post_init__(self):
         import torch
 
-        from draftheads.inference.batching import ContinuousBatcher
+        from draftheads.datagen.batching import ContinuousBatcher
         from draftheads.inference.engine import Engine
 
         self.engine = Engine(self.target.model, self.target.tokenizer)
@@ -264,7 +264,7 @@ def read_hidden_states(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Ten
     once its writer has released the file's lock; the file and its lock are removed."""
     from safetensors.torch import load_file
 
-    from draftheads.vllm_runner import wait_for_writer
+    from draftheads.datagen.vllm_runner import wait_for_writer
 
     wait_for_writer(str(path))
     data = load_file(str(path))

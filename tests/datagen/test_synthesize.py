@@ -2,9 +2,7 @@ import json
 
 import pytest
 
-from draftheads.errors import DraftheadsError
-from draftheads.prompts import read_prompts
-from draftheads.training.synthesize import (
+from draftheads.datagen.synthesize import (
     Deduper,
     SynthConfig,
     distinct_n,
@@ -12,6 +10,8 @@ from draftheads.training.synthesize import (
     synthesize,
     user_prefix,
 )
+from draftheads.errors import DraftheadsError
+from draftheads.prompts import read_prompts
 
 
 def test_user_prefix_is_the_template_up_to_the_user_text(tiny_target):
@@ -48,7 +48,7 @@ def test_synthesize_on_the_tiny_target_and_resume(tiny_llama_dir, tmp_path, monk
     cfg = SynthConfig(num_prompts=6, domains=("chat", "summarization"), round_size=8, max_prompt_tokens=12,
                       passage_tokens=16, answer_tokens=8, min_words=1, multi_turn=0.5, batch_size=4)
     # a random target writes no real requests; the filter must be what decides, so accept everything here
-    monkeypatch.setattr("draftheads.training.synthesize.is_request", lambda t: True)
+    monkeypatch.setattr("draftheads.datagen.synthesize.is_request", lambda t: True)
     out = synthesize(tiny_target, tmp_path / "p.jsonl", cfg, progress=lambda m: None)
     prompts = read_prompts(out)
     assert len(prompts) == 6 and {p.domain for p in prompts} == {"chat", "summarization"}
@@ -62,7 +62,7 @@ def test_synthesize_on_the_tiny_target_and_resume(tiny_llama_dir, tmp_path, monk
         assert s["kept"] == 3 and s["candidates"] >= 3 and 0 <= s["distinct_1"] <= 1
     # resume: a rerun of an interrupted run continues after its last finished round
     out2 = tmp_path / "q.jsonl"
-    from draftheads.training import synthesize as mod
+    from draftheads.datagen import synthesize as mod
 
     real = mod.Synthesizer.round
     calls = {"n": 0}
@@ -91,7 +91,7 @@ def test_extend_grows_a_finished_file_with_new_rounds(tiny_llama_dir, tmp_path, 
 
     target = load_target(str(tiny_llama_dir))
     target.model.generation_config.eos_token_id = list(range(2, target.info.vocab_size, 3))
-    monkeypatch.setattr("draftheads.training.synthesize.is_request", lambda t: True)
+    monkeypatch.setattr("draftheads.datagen.synthesize.is_request", lambda t: True)
     cfg = SynthConfig(num_prompts=4, domains=("chat", "qa"), round_size=4, max_prompt_tokens=12, min_words=1,
                       multi_turn=0.0, batch_size=4)
     out = synthesize(target, tmp_path / "p.jsonl", cfg, progress=lambda m: None)
@@ -135,7 +135,7 @@ def test_synthesize_needs_a_chat_template(tmp_path):
 
 
 def test_cut_passages_end_at_a_sentence():
-    from draftheads.training.synthesize import _whole_sentences
+    from draftheads.datagen.synthesize import _whole_sentences
 
     assert _whole_sentences("One. Two three! Four fi") == "One. Two three!"
     assert _whole_sentences("Pi is 3.14 here. And then") == "Pi is 3.14 here."

@@ -25,8 +25,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftheads.datagen.batching import Conversation
 from draftheads.errors import DraftheadsError
-from draftheads.inference.batching import Conversation
 from draftheads.inference.sampling import SamplingParams
 from draftheads.prompts import render_chat
 from draftheads.utils import (
@@ -203,7 +203,7 @@ def user_prefix(tokenizer, history: list[dict], name: str = "target") -> str:
 
 class Synthesizer:
     def __init__(self, backend, tokenizer, name: str, config: SynthConfig):
-        """``backend``: the engine writing the text (:mod:`draftheads.training.backends`)."""
+        """``backend``: the engine writing the text (:mod:`draftheads.datagen.backends`)."""
         self.backend, self.tok, self.name, self.cfg = backend, tokenizer, name, config
         user_prefix(self.tok, [], name)  # fails early without a chat template
 
@@ -278,9 +278,9 @@ def synthesize(target, out: str | os.PathLike, config: SynthConfig | None = None
                engine: str = "draftheads", vllm: dict | None = None, extend: bool = False) -> Path:
     """Write ``config.num_prompts`` target-written prompts to ``out``; see the module docstring. One run
     at a time writes ``out`` (a second stops with one line). ``engine``/``vllm``: who writes the text, as
-    for :func:`~draftheads.training.distill.distill` (``target`` is the spec for ``vllm``). ``extend``: grow
+    for :func:`~draftheads.datagen.distill.distill` (``target`` is the spec for ``vllm``). ``extend``: grow
     an existing ``out`` to ``config.num_prompts`` (without one, it is written from nothing)."""
-    from draftheads.training.backends import make_backend
+    from draftheads.datagen.backends import make_backend
 
     out = Path(out)
     cfg = config or SynthConfig()

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
+from draftheads.datagen.batching import Conversation, Finished
 from draftheads.errors import DraftheadsError
-from draftheads.inference.batching import Conversation, Finished
 from draftheads.inference.sampling import SamplingParams
 from draftheads.prompts import Prompt, check_unique_ids, encode_chat, render_chat
 from draftheads.targets import check_layer_ids, text_config
@@ -112,9 +112,9 @@ def distill(
     """Answer ``prompts`` with the target; returns ``out``. See the module docstring.
 
     ``engine``: ``draftheads`` (``target`` a loaded Target) or ``vllm`` (``target`` the target spec: only its
-    tokenizer loads here; ``vllm`` holds :class:`~draftheads.training.backends.VLLMBackend` options such as
+    tokenizer loads here; ``vllm`` holds :class:`~draftheads.datagen.backends.VLLMBackend` options such as
     ``python``, ``dtype``, ``tensor_parallel_size``, ``data_parallel_size``)."""
-    from draftheads.training.backends import check_engine, make_backend
+    from draftheads.datagen.backends import check_engine, make_backend
 
     SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed)
     check_engine(engine)
