@@ -188,17 +188,33 @@ def check_unique_ids(prompts: list[Prompt]) -> list[Prompt]:
     return prompts
 
 
+RAW_TURN_SEP = "\n\n"
+"""What sets a user turn after the first apart from the answer before it, in raw text."""
+
+
+def has_chat_template(tokenizer) -> bool:
+    """Whether the tokenizer renders chats (an instruct model's); a base model's gets raw text."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_raw(messages: list[dict]) -> str:
+    """A conversation as a base model reads it: the turns one after another, an answer continuing its
+    prompt directly (a completion) and each later user turn set off by :data:`RAW_TURN_SEP`."""
+    return "".join((RAW_TURN_SEP if m["role"] != "assistant" and i else "") + m["content"]
+                   for i, m in enumerate(messages))
+
+
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True, name: str = "target") -> str:
-    """Render ``[{role, content}, ...]`` with the tokenizer's chat template."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise DraftheadsError(
-            f"the tokenizer of {name} has no chat template, so chat prompts cannot be rendered: "
-            "use an instruct model, or a tokenizer directory whose tokenizer_config.json sets chat_template"
-        )
+    """Render ``[{role, content}, ...]`` with the tokenizer's chat template, or as raw text where it has
+    none (:func:`render_raw`: base models complete their prompts)."""
+    if not has_chat_template(tokenizer):
+        return render_raw(messages)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def encode_chat(tokenizer, messages: list[dict], name: str = "target") -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template, ready for the assistant's turn."""
-    return tokenizer(render_chat(tokenizer, messages, name=name), add_special_tokens=False).input_ids
+    """Token ids of ``messages`` ready for the assistant's turn: the chat template's rendering, or raw text
+    with the tokenizer's own special tokens (a base model's BOS)."""
+    return tokenizer(render_chat(tokenizer, messages, name=name),
+                     add_special_tokens=not has_chat_template(tokenizer)).input_ids
 

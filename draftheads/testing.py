@@ -81,7 +81,8 @@ def tiny_qwen3_config(vocab_size: int, **overrides):
 
 def tiny_gemma3_config(vocab_size: int, **overrides):
     """Gemma-3's shape in small: sliding-window layers between full ones, tied embeddings scaled by
-    sqrt(hidden), q/k norms, a vocabulary over 200 k (ids past the tokenizer's are never written)."""
+    sqrt(hidden), q/k norms, a vocabulary over 200 k (see :func:`save_tiny_llama` for the ids past the
+    tokenizer's)."""
     from transformers import Gemma3TextConfig
 
     kw = dict(
@@ -117,6 +118,9 @@ def save_tiny_llama(out: str | Path, seed: int = 0, chat_template: bool = True, 
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.1)
+        # ids past the tokenizer's (a vocabulary larger than it) score 0, below the likeliest real tokens:
+        # greedy and top-k text stays within the tokenizer
+        model.get_output_embeddings().weight[len(tok):] = 0.0
     model.to(dtype).save_pretrained(out)
     tok.save_pretrained(out)
     return out

@@ -77,12 +77,22 @@ def test_missing_gguf(tmp_path):
         load_target(str(tmp_path / "nope.gguf"))
 
 
-def test_tokenizer_without_chat_template(tmp_path):
+def test_a_base_model_reads_raw_text(tmp_path):
+    """No chat template: prompts render as raw text, an answer continuing its prompt and a later turn after a
+    blank line; training masks exactly the answers' characters."""
+    from draftheads.prompts import encode_chat
     from draftheads.testing import tiny_tokenizer
+    from draftheads.training.data import tokenize_conversation
 
     tok = tiny_tokenizer(chat_template=False)
-    with pytest.raises(DraftheadsError, match="no chat template"):
-        render_chat(tok, [{"role": "user", "content": "hi"}])
+    msgs = [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "\n    return a + b"},
+            {"role": "user", "content": "What is 12 plus 30?"}, {"role": "assistant", "content": " 42."}]
+    assert render_chat(tok, msgs[:1]) == "def add(a, b):"
+    assert render_chat(tok, msgs) == "def add(a, b):\n    return a + b\n\nWhat is 12 plus 30? 42."
+    assert encode_chat(tok, msgs[:1]) == tok("def add(a, b):").input_ids
+    ids, mask = tokenize_conversation(tok, msgs)
+    answer = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert answer == "\n    return a + b 42." and tok.decode(ids) == render_chat(tok, msgs)
 
 
 def test_chat_template_renders(tiny_target):

@@ -32,7 +32,7 @@ import torch
 from draftheads.datagen.batching import Conversation, Finished
 from draftheads.errors import DraftheadsError
 from draftheads.inference.sampling import SamplingParams
-from draftheads.prompts import Prompt, check_unique_ids, encode_chat, render_chat
+from draftheads.prompts import RAW_TURN_SEP, Prompt, check_unique_ids, encode_chat, has_chat_template, render_chat
 from draftheads.targets import check_layer_ids, text_config
 from draftheads.training.data import split_of
 from draftheads.utils import (
@@ -56,6 +56,8 @@ def turn_segments(tokenizer, turns, eos_ids, name: str = "target") -> list[list[
     segs = [encode_chat(tokenizer, [{"role": "user", "content": turns[0]}], name=name)]
     if len(turns) == 1:
         return segs
+    if not has_chat_template(tokenizer):  # raw text: a later turn follows the answer after a blank line
+        return segs + [tokenizer(RAW_TURN_SEP + t, add_special_tokens=False).input_ids for t in turns[1:]]
     closers = [tokenizer.decode([e]) for e in eos_ids]
     for k in range(1, len(turns)):
         msgs = []

@@ -28,7 +28,7 @@ from pathlib import Path
 from draftheads.datagen.batching import Conversation
 from draftheads.errors import DraftheadsError
 from draftheads.inference.sampling import SamplingParams
-from draftheads.prompts import render_chat
+from draftheads.prompts import has_chat_template, render_chat
 from draftheads.utils import (
     atomic_write_json,
     atomic_write_text,
@@ -205,7 +205,9 @@ class Synthesizer:
     def __init__(self, backend, tokenizer, name: str, config: SynthConfig):
         """``backend``: the engine writing the text (:mod:`draftheads.datagen.backends`)."""
         self.backend, self.tok, self.name, self.cfg = backend, tokenizer, name, config
-        user_prefix(self.tok, [], name)  # fails early without a chat template
+        if not has_chat_template(tokenizer):
+            raise DraftheadsError(f"synthesize: the tokenizer of {name} has no chat template (a base model), so it "
+                                  "cannot be asked to write prompts: give distill prompt files of your own instead")
 
     def _generate(self, texts: list[str], max_new: list[int], seed: int, temperature=None) -> list[tuple[str, bool]]:
         """(continuation, finished) per rendered text, each with its own token budget, in one batched run."""

@@ -23,8 +23,13 @@ from draftheads.errors import DraftheadsError
 from draftheads.heads.layers import DraftDecoderLayer, LayerSpec, RMSNorm, Rotary
 
 
-def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    return (2, num_layers // 2, num_layers - 3)
+def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high layers (2, L // 2, L - 3), vLLM's default; a target too shallow for
+    three distinct ones there (under 7 layers) gets three spread over its layers instead."""
+    ids = (2, num_layers // 2, num_layers - 3)
+    if len(set(ids)) == 3:
+        return ids
+    return tuple(sorted({max(1, round(i * (num_layers - 1) / 3)) for i in (1, 2, 3)}))
 
 
 @dataclass

@@ -30,6 +30,8 @@ class Data:
     synthesize: int = 0
     """prompts the target writes itself and then answers too (0: none; needs a chat template); raising it
     on a finished run extends its data"""
+    synthesize_options: dict = field(default_factory=dict)
+    """more ``draftheads synthesize`` flags, e.g. {multi_turn: 0.3, domains: [code, math], temperature: 0.8}"""
     max_new_tokens: int = 256
     """answer length"""
     max_seq_len: int = 1024

@@ -274,7 +274,8 @@ class Plan:
             n = d.synthesize
             out.append(Stage("synthesize", self.synth, [Step("synthesize", self.dh(
                 "synthesize", "--target", r.target, "--num-prompts", n, "--batch-size", d.batch_size, "--round-size",
-                min(192, 2 * n), "--dtype", self.dtype, *engine, "--out", self.synth, "--extend"))],
+                min(192, 2 * n), "--dtype", self.dtype, *engine, *flags(d.synthesize_options), "--out", self.synth,
+                "--extend"))],
                 describe=f"the target writes {n} prompts",
                 check=lambda: self.synth.exists() and synthesized(self.synth) >= n))
         same = ["--features", self.layers(), "--feature-dir", self.features, "--val-fraction", d.val_fraction] \
@@ -481,6 +482,18 @@ class Plan:
         atomic_write_json(out / "scaling.json", points)
         if self.recipe.package:
             pkg.card_scaling(self.packaging(), self.features, say)
+
+
+def flags(options: dict) -> list[str]:
+    """``{name: value}`` as command-line flags (``--name value``; a list as its items, True as the flag alone)."""
+    out = []
+    for k, v in options.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        elif v not in (False, None):
+            out += [flag, *(map(str, v) if isinstance(v, list) else [str(v)])]
+    return out
 
 
 def _all_done(steps: list[Step]):

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from draftheads.errors import DraftheadsError
-from draftheads.prompts import render_chat
+from draftheads.prompts import has_chat_template, render_chat
 from draftheads.utils import cache_dir, file_sha256, read_utf8, stable_int
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ def tokenize_conversation(tokenizer, messages, use_generation_tags: bool | None 
                 "assistant mask cannot be found by prefix rendering: use a template with {% generation %} tags"
             )
         spans.append((len(prefix), len(upto)))
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    enc = tokenizer(full, add_special_tokens=not has_chat_template(tokenizer), return_offsets_mapping=True)
     mask = [int(any(s <= a and b <= e and b > a for s, e in spans)) for a, b in enc["offset_mapping"]]
     return list(enc["input_ids"]), mask
 
