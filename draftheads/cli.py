@@ -292,7 +292,8 @@ def export(head: str, format: Annotated[str, Flag(choices="draftheads.export.vll
         serve = str(resolve_target(verifier))  # what vLLM loads (the cached safetensors dir for a GGUF)
     path, command = export_head(module, format, out, verifier, num_speculative_tokens, model, serve_target=serve,
                                 overwrite=overwrite, inputs=inputs)
-    print(f"wrote {format} to {path} (validated: key set, shapes, dtypes, config fields)")
+    print(f"wrote {format} to {path} (validated: key set, shapes, dtypes, config fields"
+          + (", and its serving contract with the target)" if verifier else ")"))
     print(command)
     return 0
 

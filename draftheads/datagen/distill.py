@@ -32,7 +32,14 @@ import torch
 from draftheads.datagen.batching import Conversation, Finished
 from draftheads.errors import DraftheadsError
 from draftheads.inference.sampling import SamplingParams
-from draftheads.prompts import RAW_TURN_SEP, Prompt, check_unique_ids, encode_chat, has_chat_template, render_chat
+from draftheads.prompts import (
+    RAW_TURN_SEP,
+    Prompt,
+    check_unique_ids,
+    encode_chat,
+    has_chat_template,
+    render_chat,
+)
 from draftheads.targets import check_layer_ids, text_config
 from draftheads.training.data import split_of
 from draftheads.utils import (

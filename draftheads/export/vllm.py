@@ -269,7 +269,9 @@ EXPORT_FILES = ("model.safetensors", "config.json", MASK_EMBEDDING_FILE)
 
 def write_export(out: str | os.PathLike, fmt: str, config: dict, tensors: dict[str, torch.Tensor],
                  dtype: torch.dtype | None = None, overwrite: bool = False, inputs=(),
-                 files: dict[str, bytes] | None = None) -> Path:
+                 files: dict[str, bytes] | None = None, check: Callable[[Path], None] | None = None) -> Path:
+    """Write an export atomically: validated (and ``check``-ed, e.g. its contract with the target) before
+    it appears at ``out``."""
     def cast(t):
         t = t.detach().contiguous().cpu()
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t
@@ -280,6 +282,8 @@ def write_export(out: str | os.PathLike, fmt: str, config: dict, tensors: dict[s
         for name, data in (files or {}).items():
             (tmp / name).write_bytes(data)
         validate_export(tmp, fmt)
+        if check is not None:
+            check(tmp)
     return Path(out)
 
 
@@ -469,5 +473,11 @@ def export_head(head, fmt: str, out: str | os.PathLike, verifier: str | None = N
     if k < 1:
         raise DraftheadsError(f"--num-speculative-tokens {k} must be >= 1")
     config, tensors, files = spec.build(head, target, verifier, k)
-    path = write_export(out, fmt, config, tensors, overwrite=overwrite, inputs=inputs, files=files)
+    check = None
+    if target is not None:  # the serving contract with the target it was given (export/contract.py)
+        from draftheads.export.contract import TargetShape, check_contract
+
+        shape = TargetShape.of(target.model)
+        check = lambda tmp: check_contract(tmp, fmt, shape, k, head.config)  # noqa: E731
+    path = write_export(out, fmt, config, tensors, overwrite=overwrite, inputs=inputs, files=files, check=check)
     return path, vllm_command(serve_target or verifier or "TARGET", path, fmt, k, config)
