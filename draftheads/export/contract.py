@@ -6,12 +6,9 @@ almost nothing, with no error. These are the fields where that has happened in t
 token, the draft vocabulary maps, the fc input's normalisation, and the vocabulary and hidden sizes.
 :func:`check_contract` stops at the first wrong one with one line naming it.
 
-Layer-id conventions, in HF hidden-state ids (0 = the embeddings, i = the output of layer i):
-
-* EAGLE-3 (``vllm-eagle3``, ``speculators``): ``eagle_aux_hidden_state_layer_ids`` are the states vLLM
-  collects entering layer i, i.e. HF id i; vLLM collects them for 0 <= i < num_layers only.
-* DFlash / DSpark (``vllm-dflash``, ``vllm-dspark``): ``dflash_config.target_layer_ids`` are the outputs of
-  layer i, i.e. HF id i + 1; valid for 0 <= i < num_layers.
+Each format counts layers its own way; its record says how (``layer_ids``, ``layer_convention``): EAGLE-3's
+``eagle_aux_hidden_state_layer_ids`` are the states vLLM collects entering layer i (HF hidden-state id i, for
+0 < i < num_layers), DFlash's ``dflash_config.target_layer_ids`` the outputs of layer i (HF id i + 1).
 """
 
 from __future__ import annotations
@@ -42,28 +39,15 @@ class TargetShape:
         return cls(cfg.num_hidden_layers, cfg.hidden_size, vocab)
 
 
-def hf_layer_ids(fmt: str, cfg: dict) -> list[int]:
-    """The export's layer ids as HF hidden-state ids (see the module docstring)."""
-    from draftheads.export.vllm import EXPORTS
-
-    kind = EXPORTS[fmt].head_type
-    if kind == "eagle3":
-        return list(cfg["eagle_aux_hidden_state_layer_ids"])
-    if kind in ("dflash", "dspark"):
-        return [i + 1 for i in cfg["dflash_config"]["target_layer_ids"]]
-    return []
-
-
-def check_contract(path: str | os.PathLike, fmt: str, target: TargetShape, k: int | None = None,
+def check_contract(path: str | os.PathLike, spec, target: TargetShape, k: int | None = None,
                    head_config=None) -> None:
-    """The export at ``path`` in ``fmt`` against ``target``, served with ``k`` speculative tokens (when
-    known) and made from a head of ``head_config`` (when known: its layer ids must survive the format's
-    convention). Raises :class:`DraftheadsError` naming the first field that breaks the contract."""
-    from draftheads.export.vllm import EXPORTS
-
+    """The export at ``path`` in the format ``spec`` (its :class:`~draftheads.export.vllm.ExportFormat`,
+    whose record says what differs between formats) against ``target``, served with ``k`` speculative
+    tokens (when known) and made from a head of ``head_config`` (when known: its layer ids must survive the
+    format's convention). Raises :class:`DraftheadsError` naming the first field that breaks the contract."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
-    kind = EXPORTS[fmt].head_type
+    fmt = spec.name
 
     def fail(field: str, problem: str):
         raise DraftheadsError(f"export {path} ({fmt}): {field} {problem}")
@@ -72,40 +56,24 @@ def check_contract(path: str | os.PathLike, fmt: str, target: TargetShape, k: in
     if layer.get("vocab_size") is not None and layer["vocab_size"] != target.vocab_size:
         fail("vocab_size", f"{layer['vocab_size']} is not the target's {target.vocab_size}: train the head on this "
                            "target's tokenizer")
-    hidden = cfg.get("target_hidden_size", cfg.get("hidden_size") if kind in ("eagle", "medusa") else None)
-    if hidden is not None and hidden != target.hidden_size:
-        fail("target_hidden_size" if "target_hidden_size" in cfg else "hidden_size",
-             f"{hidden} is not the target's hidden size {target.hidden_size}")
-    ids = hf_layer_ids(fmt, cfg)
-    if kind == "eagle3":
-        bad = [i for i in ids if not 0 < i < target.num_layers]
-        if bad or len(set(ids)) != len(ids):
-            fail("eagle_aux_hidden_state_layer_ids", f"{ids}: vLLM collects the state entering layer i, so each must "
-                 f"be a distinct id in 1..{target.num_layers - 1} for this {target.num_layers}-layer target")
-        if cfg.get("norm_before_fc") or cfg.get("fc_norm"):
-            fail("norm_before_fc", "is set, but the fc weight is exported for the raw aux states (its aux scale "
-                                   "folded in): write norm_before_fc and fc_norm false")
-    if kind in ("dflash", "dspark"):
-        bad = [i - 1 for i in ids if not 0 < i <= target.num_layers]
-        if bad:
-            fail("dflash_config.target_layer_ids", f"{[i - 1 for i in ids]}: vLLM reads the output of layer i, so "
-                 f"each must be in 0..{target.num_layers - 1} (HF hidden-state id minus one)")
-        block = cfg["block_size"]
-        if k is not None and not 1 <= k <= block - 1:
-            fail("block_size", f"{block} drafts {block - 1} tokens per block, but it is served with "
-                               f"num_speculative_tokens {k}: serve with at most {block - 1}")
-        mask = cfg["dflash_config"]["mask_token_id"]
-        if not 0 <= mask < target.vocab_size:
-            fail("dflash_config.mask_token_id", f"{mask} is outside the target's vocabulary of {target.vocab_size}")
-        if kind == "dspark" and cfg.get("mask_token_id") != mask:
-            fail("mask_token_id", f"{cfg.get('mask_token_id')} differs from dflash_config.mask_token_id {mask}: "
-                                  "vLLM's DSpark reads both, and they must name the same token")
-    if head_config is not None:
+    field = "target_hidden_size" if "target_hidden_size" in cfg else "hidden_size"
+    if field == "hidden_size" and spec.layer_ids is not None:
+        field = ""  # a block drafter's own width, free of the target's
+    if field and cfg.get(field) is not None and cfg[field] != target.hidden_size:
+        fail(field, f"{cfg[field]} is not the target's hidden size {target.hidden_size}")
+    if spec.layer_ids is not None:
+        ids = spec.layer_ids(cfg)
+        valid = spec.layer_range(target.num_layers)
+        if any(i not in valid for i in ids) or len(set(ids)) != len(ids):
+            fail(spec.layer_field, f"names HF hidden-state ids {ids}; {spec.layer_convention}, so each must be a "
+                                   f"distinct one in {valid.start}..{valid.stop - 1} for this {target.num_layers}-layer "
+                                   "target")
         trained = list(getattr(head_config, "aux_layer_ids", None) or getattr(head_config, "target_layer_ids", ()))
         if trained and ids != trained:
-            field = "eagle_aux_hidden_state_layer_ids" if kind == "eagle3" else "dflash_config.target_layer_ids"
-            fail(field, f"name HF hidden-state ids {ids}, but the head was trained on {trained}: the format's "
-                        "layer-id convention was not applied")
+            fail(spec.layer_field, f"names HF hidden-state ids {ids}, but the head was trained on {trained}: the "
+                                   f"format's convention ({spec.layer_convention}) was not applied")
+    if spec.contract is not None:
+        spec.contract(cfg, k, target, fail)
     _check_vocab_maps(path, cfg, target, fail)
 
 

@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftheads.errors import DraftheadsError
+from draftheads.export.contract import TargetShape, check_contract
 from draftheads.utils import atomic_dir
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
@@ -419,6 +420,8 @@ def _vllm_dspark(head, target, verifier, k):
 
 @dataclass(frozen=True)
 class ExportFormat:
+    name: str
+    """The format's name (``--format``)."""
     head_type: str
     """The head family this format holds."""
     method: str
@@ -434,29 +437,82 @@ class ExportFormat:
     with a Triton CPU backend)."""
     proposer_options: dict = field(default_factory=dict)
     """Options of our proposer that make it draft as vLLM serves the format by default (``make vllm-check``)."""
+    layer_ids: Callable[[dict], list[int]] | None = None
+    """config -> the target layers it reads, as HF hidden-state ids (0 = the embeddings, i = layer i's output)."""
+    layer_field: str = ""
+    """The config field holding them, in the format's own convention (:attr:`layer_convention`)."""
+    layer_convention: str = ""
+    layer_range: Callable[[int], range] | None = None
+    """num_layers -> the HF ids the server can read in a target of that many layers."""
+    contract: Callable | None = None
+    """(config, k, :class:`~draftheads.export.contract.TargetShape`, fail) -> None: the format's own serving
+    checks (``fail(field, problem)`` stops at the first broken one)."""
 
+
+def _eagle3_contract(cfg: dict, k, target, fail) -> None:
+    if cfg.get("norm_before_fc") or cfg.get("fc_norm"):
+        fail("norm_before_fc", "is set, but the fc weight is exported for the raw aux states (its aux scale "
+                               "folded in): write norm_before_fc and fc_norm false")
+
+
+def _block_contract(cfg: dict, k, target, fail) -> None:
+    block = cfg["block_size"]
+    if k is not None and not 1 <= k <= block - 1:
+        fail("block_size", f"{block} drafts {block - 1} tokens per block, but it is served with "
+                           f"num_speculative_tokens {k}: serve with at most {block - 1}")
+    mask = cfg["dflash_config"]["mask_token_id"]
+    if not 0 <= mask < target.vocab_size:
+        fail("dflash_config.mask_token_id", f"{mask} is outside the target's vocabulary of {target.vocab_size}")
+
+
+def _dspark_contract(cfg: dict, k, target, fail) -> None:
+    _block_contract(cfg, k, target, fail)
+    mask = cfg["dflash_config"]["mask_token_id"]
+    if cfg.get("mask_token_id") != mask:
+        fail("mask_token_id", f"{cfg.get('mask_token_id')} differs from dflash_config.mask_token_id {mask}: vLLM's "
+                              "DSpark reads both, and they must name the same token")
+
+
+_EAGLE3_LAYERS = dict(
+    layer_ids=lambda cfg: list(cfg["eagle_aux_hidden_state_layer_ids"]), layer_field="eagle_aux_hidden_state_layer_ids",
+    layer_convention="vLLM collects the state entering layer i, HF id i", layer_range=lambda n: range(1, n),
+    contract=_eagle3_contract)
+_BLOCK_LAYERS = dict(
+    layer_ids=lambda cfg: [i + 1 for i in cfg["dflash_config"]["target_layer_ids"]],
+    layer_field="dflash_config.target_layer_ids", layer_convention="vLLM reads the output of layer i, HF id i + 1",
+    layer_range=lambda n: range(1, n + 1))
 
 EXPORTS = {
-    "vllm-eagle3": ExportFormat("eagle3", "eagle3", _vllm_eagle3, eagle3_expected, (
+    "vllm-eagle3": ExportFormat("vllm-eagle3", "eagle3", "eagle3", _vllm_eagle3, eagle3_expected, (
         "architectures", "draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
-        "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "hidden_act", "vocab_size")),
-    "vllm-eagle": ExportFormat("eagle", "eagle", _vllm_eagle, eagle_expected, (
+        "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "hidden_act", "vocab_size"),
+        **_EAGLE3_LAYERS),
+    "vllm-eagle": ExportFormat("vllm-eagle", "eagle", "eagle", _vllm_eagle, eagle_expected, (
         "architectures", "hidden_size", "intermediate_size", "num_attention_heads", "hidden_act")),
-    "vllm-medusa": ExportFormat("medusa", "medusa", _vllm_medusa, medusa_expected, (
+    "vllm-medusa": ExportFormat("vllm-medusa", "medusa", "medusa", _vllm_medusa, medusa_expected, (
         "model_type", "num_heads", "num_hidden_layers", "hidden_size", "vocab_size")),
-    "speculators": ExportFormat("eagle3", "eagle3", _speculators, speculators_expected, (
+    "speculators": ExportFormat("speculators", "eagle3", "eagle3", _speculators, speculators_expected, (
         "speculators_model_type", "speculators_config", "transformer_layer_config", "draft_vocab_size",
-        "target_hidden_size")),
-    "vllm-dflash": ExportFormat("dflash", "dflash", _vllm_dflash, dflash_expected, (
+        "target_hidden_size"), **_EAGLE3_LAYERS),
+    "vllm-dflash": ExportFormat("vllm-dflash", "dflash", "dflash", _vllm_dflash, dflash_expected, (
         "architectures", "model_type", "dflash_config", "head_dim", "target_hidden_size", "vocab_size",
-        "hidden_act", "num_hidden_layers")),
-    "vllm-dspark": ExportFormat("dspark", "dspark", _vllm_dspark, dspark_expected, (
+        "hidden_act", "num_hidden_layers"), **_BLOCK_LAYERS, contract=_block_contract),
+    "vllm-dspark": ExportFormat("vllm-dspark", "dspark", "dspark", _vllm_dspark, dspark_expected, (
         "architectures", "model_type", "dflash_config", "mask_token_id", "markov_rank", "block_size",
         "sample_from_anchor", "enable_confidence_head", "head_dim", "target_hidden_size", "vocab_size",
         "hidden_act", "num_hidden_layers"), model_runner_v2=True,
-        proposer_options={"min_survival": 0.0}),  # vLLM verifies all K drafts unless enable_adaptive_verification
+        proposer_options={"min_survival": 0.0},  # vLLM verifies all K drafts unless enable_adaptive_verification
+        **_BLOCK_LAYERS, contract=_dspark_contract),
 }
-FORMATS = tuple(EXPORTS)
+"""Export format -> its record; a new family's formats join with :func:`register_format`."""
+FORMATS = EXPORTS
+"""The formats (``--format`` choices), as they are registered."""
+
+
+def register_format(spec: ExportFormat) -> ExportFormat:
+    """Add an export format (``spec.head_type`` names the family whose heads it holds)."""
+    EXPORTS[spec.name] = spec
+    return spec
 
 
 def export_head(head, fmt: str, out: str | os.PathLike, verifier: str | None = None, k: int = 3,
@@ -474,10 +530,8 @@ def export_head(head, fmt: str, out: str | os.PathLike, verifier: str | None = N
         raise DraftheadsError(f"--num-speculative-tokens {k} must be >= 1")
     config, tensors, files = spec.build(head, target, verifier, k)
     check = None
-    if target is not None:  # the serving contract with the target it was given (export/contract.py)
-        from draftheads.export.contract import TargetShape, check_contract
-
+    if target is not None:  # the serving contract with the target it was given
         shape = TargetShape.of(target.model)
-        check = lambda tmp: check_contract(tmp, fmt, shape, k, head.config)  # noqa: E731
+        check = lambda tmp: check_contract(tmp, spec, shape, k, head.config)  # noqa: E731
     path = write_export(out, fmt, config, tensors, overwrite=overwrite, inputs=inputs, files=files, check=check)
     return path, vllm_command(serve_target or verifier or "TARGET", path, fmt, k, config)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,19 +24,15 @@ from draftheads.heads.medusa import MedusaConfig, MedusaHeads
 
 @dataclass(frozen=True)
 class HeadFamily:
-    """One head family: its config and module, and (by import path, loaded when first used, so that the
-    heads package never imports the engine) the proposer that drafts with it."""
+    """One head family's record: its config and module and the target layers its training reads. The other
+    layers register against the family's name: its proposer (``draftheads.inference.proposers.register``),
+    its export formats (``draftheads.export.vllm.register_format``); its LightningModule is named by the
+    ``train-head`` config that trains it. A new family is :func:`register_family` plus those, in its own files."""
 
     config: type
     module: type
-    proposer_path: str
     feature_layers: Callable[[int], list[int]]
     """HF hidden-state ids its training reads from a target of ``num_layers`` layers (default config)."""
-
-    @property
-    def proposer(self) -> type:
-        mod, name = self.proposer_path.split(":")
-        return getattr(importlib.import_module(mod), name)
 
 
 def _last_layer(num_layers: int) -> list[int]:
@@ -53,16 +48,21 @@ def _dflash_layers(num_layers: int) -> list[int]:
 
 
 FAMILIES = {
-    "medusa": HeadFamily(MedusaConfig, MedusaHeads, "draftheads.inference.proposers.medusa:MedusaProposer",
-                         _last_layer),
-    "eagle": HeadFamily(EagleConfig, EagleHead, "draftheads.inference.proposers.eagle:EagleProposer", _last_layer),
-    "eagle3": HeadFamily(Eagle3Config, Eagle3Head, "draftheads.inference.proposers.eagle3:Eagle3Proposer",
-                         _eagle3_layers),
-    "dflash": HeadFamily(DFlashConfig, DFlashHead, "draftheads.inference.proposers.dflash:DFlashProposer",
-                         _dflash_layers),
-    "dspark": HeadFamily(DSparkConfig, DSparkHead, "draftheads.inference.proposers.dspark:DSparkProposer",
-                         _dflash_layers),
+    "medusa": HeadFamily(MedusaConfig, MedusaHeads, _last_layer),
+    "eagle": HeadFamily(EagleConfig, EagleHead, _last_layer),
+    "eagle3": HeadFamily(Eagle3Config, Eagle3Head, _eagle3_layers),
+    "dflash": HeadFamily(DFlashConfig, DFlashHead, _dflash_layers),
+    "dspark": HeadFamily(DSparkConfig, DSparkHead, _dflash_layers),
 }
+"""Head type -> its family's record (the ``head_type`` a head directory's config.json names)."""
+
+
+def register_family(name: str, record: HeadFamily) -> HeadFamily:
+    """Add a head family (``record.module.head_type`` must be ``name``, as the heads it saves will say)."""
+    if getattr(record.module, "head_type", None) != name:
+        raise DraftheadsError(f"family {name!r}: its module's head_type is {getattr(record.module, 'head_type', None)!r}")
+    FAMILIES[name] = record
+    return record
 
 
 def family(head_type: str) -> HeadFamily:
@@ -71,7 +71,7 @@ def family(head_type: str) -> HeadFamily:
     return FAMILIES[head_type]
 
 __all__ = [
-    "FAMILIES", "HeadFamily", "DFlashConfig", "DFlashHead", "DSparkConfig", "DSparkHead", "family", "EagleConfig", "EagleHead", "Eagle3Config", "Eagle3Head", "LayerSpec", "MedusaConfig",
+    "FAMILIES", "HeadFamily", "register_family", "DFlashConfig", "DFlashHead", "DSparkConfig", "DSparkHead", "family", "EagleConfig", "EagleHead", "Eagle3Config", "Eagle3Head", "LayerSpec", "MedusaConfig",
     "MedusaHeads", "default_aux_layer_ids", "load_head", "save_head", "check_head_fits_target",
 ]
 

@@ -40,9 +40,9 @@ def make_proposer(target, head=None, proposer: str | None = None, options: dict 
     # bf16 target would read twice the bytes in every draft forward
     weight = target.model.get_output_embeddings().weight
     module = module.to(device=weight.device, dtype=weight.dtype)
-    from draftheads.heads import family
+    from draftheads.inference.proposers import proposer_for
 
-    return family(module.head_type).proposer(module, target.model, **(options or {}))
+    return proposer_for(module.head_type)(module, target.model, **(options or {}))
 
 
 def make_engine(target, proposer, tree: str | None = None, config: EngineConfig | None = None) -> Engine:

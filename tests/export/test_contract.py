@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from draftheads.errors import DraftheadsError
 from draftheads.export.contract import TargetShape, check_contract
-from draftheads.export.vllm import export_head
+from draftheads.export.vllm import EXPORTS, export_head
 from draftheads.testing import random_heads
 
 
@@ -44,7 +44,7 @@ def _edit(path, **changes):
                                       ("vllm-dspark", "dspark"), ("vllm-eagle", "eagle"), ("vllm-medusa", "medusa")])
 def test_the_exports_written_here_keep_the_contract(fmt, head, tmp_path, heads, tiny_target, shape):
     out = _export(tmp_path, heads, tiny_target, fmt, head)
-    check_contract(out, fmt, shape, k=3, head_config=heads[head].config)
+    check_contract(out, EXPORTS[fmt], shape, k=3, head_config=heads[head].config)
 
 
 CASES = [
@@ -68,10 +68,10 @@ CASES = [
 @pytest.mark.parametrize("fmt,head,edits,field", CASES, ids=[f"{c[0]}-{c[3]}" for c in CASES])
 def test_a_broken_field_is_one_line_naming_it(fmt, head, edits, field, tmp_path, heads, tiny_target, shape):
     out = _export(tmp_path, heads, tiny_target, fmt, head)
-    check_contract(out, fmt, shape, k=3, head_config=heads[head].config)  # as written: kept
+    check_contract(out, EXPORTS[fmt], shape, k=3, head_config=heads[head].config)  # as written: kept
     _edit(out, **edits)
     with pytest.raises(DraftheadsError) as e:
-        check_contract(out, fmt, shape, k=3, head_config=heads[head].config)
+        check_contract(out, EXPORTS[fmt], shape, k=3, head_config=heads[head].config)
     msg = str(e.value)
     assert f"({fmt}): {field} " in msg and "\n" not in msg, msg
 
@@ -86,9 +86,9 @@ def test_the_draft_vocabulary_maps_must_agree(tmp_path, heads, tiny_target, shap
     ]:
         save_file({**weights, name: broken(weights)}, str(out / "model.safetensors"))
         with pytest.raises(DraftheadsError, match=said):
-            check_contract(out, "vllm-eagle3", shape)
+            check_contract(out, EXPORTS["vllm-eagle3"], shape)
     save_file(weights, str(out / "model.safetensors"))
-    check_contract(out, "vllm-eagle3", shape)
+    check_contract(out, EXPORTS["vllm-eagle3"], shape)
 
 
 def test_an_export_for_another_target_is_refused_before_it_is_written(tmp_path, heads, tiny_target):

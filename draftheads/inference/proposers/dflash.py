@@ -29,6 +29,7 @@ import torch
 from draftheads.errors import DraftheadsError
 from draftheads.inference.projection import vocab_logits
 from draftheads.inference.proposers.base import FollowingProposer, RequestState
+from draftheads.inference.proposers.registry import register
 from draftheads.inference.sampling import draw, target_probs
 from draftheads.inference.tree import Node, Tree, TreeSpec, chain_parents, select_tree
 
@@ -43,6 +44,7 @@ class BlockState:
         return 0 if self.kv is None else self.kv[0][0].shape[2]
 
 
+@register("dflash")
 class DFlashProposer(FollowingProposer):
     name = "dflash"
     state_type = BlockState

@@ -13,12 +13,14 @@ import torch
 
 from draftheads.inference.projection import vocab_logits
 from draftheads.inference.proposers.dflash import DFlashProposer
+from draftheads.inference.proposers.registry import register
 
 DEFAULT_MIN_SURVIVAL = 0.1
 """Below this estimated probability of being accepted, a draft costs more verification than it is
 expected to return on a CPU (one more verified token costs a few percent of a step)."""
 
 
+@register("dspark")
 class DSparkProposer(DFlashProposer):
     name = "dspark"
 

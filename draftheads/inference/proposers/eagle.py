@@ -4,8 +4,10 @@ features autoregressively; logits come from the target's lm_head (or the head's 
 from __future__ import annotations
 
 from draftheads.inference.proposers.draft_tree import DraftTreeProposer
+from draftheads.inference.proposers.registry import register
 
 
+@register("eagle")
 class EagleProposer(DraftTreeProposer):
     name = "eagle"
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 
 from draftheads.inference.proposers.draft_tree import DraftTreeProposer
+from draftheads.inference.proposers.registry import register
 
 
+@register("eagle3")
 class Eagle3Proposer(DraftTreeProposer):
     name = "eagle3"
 

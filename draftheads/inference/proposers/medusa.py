@@ -8,9 +8,11 @@ from __future__ import annotations
 import torch
 
 from draftheads.inference.proposers.base import Proposer, RequestState
+from draftheads.inference.proposers.registry import register
 from draftheads.inference.tree import Tree, TreeSpec, static_tree
 
 
+@register("medusa")
 class MedusaProposer(Proposer):
     name = "medusa"
 
