@@ -135,7 +135,7 @@ def reconcile(plan: Plan, run: Run, store, stages: list[Stage], redo: set[str]) 
 
 
 def execute(run: Run, s: Stage, only: frozenset[str]) -> None:
-    if s.skip and not s.finished():
+    if s.skip and not s.finished() and (not only or s.name in only):
         run.say(f"=== {s.name}: skipped: {s.skip}")
         return
 

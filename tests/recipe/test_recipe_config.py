@@ -57,7 +57,7 @@ def test_the_reference_recipe_lists_every_stage_and_command(capsys):
     names = [line.split(". ", 1)[1].split(" [")[0] for line in out.splitlines() if line[:3].strip().rstrip(".").isdigit()]
     assert names == ["synthesize", "distill", "features", "train", "extend", "export", "eval", "package", "bench",
                      "compare", "scaling", "serve"]
-    assert "synthesize --target smollm2-135m --num-prompts 4300" in out
+    assert "synthesize --target smollm2-135m --num-prompts 8600" in out
     assert "--layers eagle3+dflash+dspark" in out  # the features every head reads
     # the block drafters' eval and bench modes: their served chain of 7 and the small tree beside chain 3
     assert "--head /nonexistent/ref/dflash/head --prompts bundled:eval --limit-per-domain 12 --max-new-tokens 128 " \
