@@ -132,34 +132,12 @@ if cuda:
     torch.cuda.empty_cache()
 
 # 5. fused losses: Liger's kernels on the device against the chunked torch path on CPU, values and grads
+from draftheads.bench.parity import flex_vs_sdpa, loss_parity  # noqa: E402
 from draftheads.training.losses import linear_cross_entropy, linear_kl  # noqa: E402
-
-
-def rel(x, y):
-    """Largest difference of ``x`` from ``y``, relative to ``y``'s largest entry."""
-    return float((x - y).abs().max() / y.abs().max().clamp_min(1e-12))
-
-
-def _loss_case(name, fn, n, hidden, v):
-    gen = torch.Generator().manual_seed(0)
-    h = torch.randn(n, hidden, generator=gen)
-    w = torch.randn(v, hidden, generator=gen) * 0.05
-    extra = (torch.randint(v, (n,), generator=gen),) if name == "cross_entropy" else (
-        torch.randn(n, hidden, generator=gen), torch.randn(v, hidden, generator=gen) * 0.05)
-    out = {}
-    for where, impl in ((device, "liger"), ("cpu", "chunked")):
-        hh, ww = h.clone().to(where).requires_grad_(), w.clone().to(where).requires_grad_()  # own grads
-        loss = fn(hh, ww, *(e.to(where) for e in extra), impl=impl)
-        loss.backward()
-        out[impl] = (loss.detach().cpu(), hh.grad.cpu(), ww.grad.cpu())
-    (a, ga, wa), (b, gb, wb) = out["liger"], out["chunked"]
-    return {"liger": float(a), "chunked": float(b), "loss_rel": rel(a, b), "grad_h_rel": rel(ga, gb),
-            "grad_w_rel": rel(wa, wb)}
-
 
 if have["liger_kernel"]:
     n, hidden, v = (64, 32, 300) if args.cpu else (4096, 4096, 32000)
-    results["losses"] = {name: _loss_case(name, fn, n, hidden, v) for name, fn in
+    results["losses"] = {name: loss_parity(name, fn, n, hidden, v, device) for name, fn in
                          (("cross_entropy", linear_cross_entropy), ("kl", lambda hs, ws, ht, wt, impl:
                                                                      linear_kl(hs, ws, ht, wt, impl=impl)))}
     for name, r in results["losses"].items():
@@ -279,61 +257,8 @@ for name, (make, shape) in ({} if "greedy" in skip else PROPOSERS).items():
 
 # 8. DFlash's blocks masked by a compiled FlexAttention block mask against the dense SDPA mask, on the same
 # batch: loss and head gradients in float32, then a bf16-autocast training step's time and peak memory
-from draftheads.training import DFlashModule  # noqa: E402
-
-
-def _block_batch(rows, t, vocab, gen):
-    """Packed rows of two documents each, the loss on the second half of each document."""
-    half = t // 2
-    pos = torch.arange(half).repeat(rows, 2)
-    docs = (torch.arange(t) >= half).long().repeat(rows, 1)
-    loss_mask = (pos >= half // 2).long()
-    return {"input_ids": torch.randint(vocab, (rows, t), generator=gen), "position_ids": pos, "doc_ids": docs,
-            "loss_mask": loss_mask}
-
-
-def _flex_vs_sdpa():
-    rows, t, anchors, blk = (2, 64, 8, 4) if args.cpu else (4, 2048, 128, 8)
-    torch.manual_seed(0)
-    m = DFlashModule(target=str(target_dir), target_dtype="float32" if args.cpu else "bfloat16", block_size=blk,
-                     anchors_per_row=anchors, num_layers=2, target_layer_ids=[1, 2], mask_token_id=1,
-                     loss_impl="chunked" if args.cpu else "liger")
-    m.configure_model()
-    m = m.to(device).train()
-    batch = {k: v.to(device) for k, v in _block_batch(rows, t, m.info.vocab_size, torch.Generator().manual_seed(1)).items()}
-    params = [p for p in m.head.parameters() if p.requires_grad]
-
-    def step(attention, autocast, grads=True):
-        m.hparams.attention = attention
-        m.head.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), torch.set_grad_enabled(grads):
-            loss = m.compute_loss(batch)[0]
-        if grads:
-            loss.backward()
-        return loss.detach().float(), [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-                                       for p in params] if grads else []
-
-    grads = not args.cpu  # FlexAttention has no backward on CPU: the dry run compares losses only
-    (la, ga), (lb, gb), (lc, gc) = step("sdpa", False, grads), step("flex", False, grads), step("tiles", False, grads)
-    r = {"shape": {"rows": rows, "tokens": t, "anchors_per_row": anchors, "block_size": blk},
-         "loss_rel": rel(lb, la), "grad_rel": max((rel(b, a) for a, b in zip(ga, gb)), default=0.0),
-         "tiles": {"loss_rel": rel(lc, la), "grad_rel": max((rel(c, a) for a, c in zip(ga, gc)), default=0.0)}}
-    if cuda and not args.cpu:
-        for name in ("sdpa", "tiles", "flex"):
-            for _ in range(2):  # compiles the block mask's kernels at this shape
-                step(name, True)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            for _ in range(5):
-                step(name, True)
-            torch.cuda.synchronize()
-            r.setdefault(name, {}).update(step_ms=(time.perf_counter() - t0) / 5 * 1e3,
-                                          peak_gib=torch.cuda.max_memory_allocated() / 2**30)
-    return r
-
-
-results["flex"] = {"loss_rel": 0.0, "grad_rel": 0.0, "skipped": True} if "flex" in skip else _flex_vs_sdpa()
+results["flex"] = ({"loss_rel": 0.0, "grad_rel": 0.0, "skipped": True} if "flex" in skip
+                   else flex_vs_sdpa(target_dir, device, small=args.cpu))
 fx = results["flex"]
 say("flex vs sdpa: skipped" if "skipped" in fx else f"flex vs sdpa, DFlash training step {fx['shape']}: loss rel {fx['loss_rel']:.1e}, grads rel {fx['grad_rel']:.1e}"
     f"; tiles vs sdpa: loss rel {fx['tiles']['loss_rel']:.1e}, grads rel {fx['tiles']['grad_rel']:.1e}"
