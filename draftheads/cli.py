@@ -461,6 +461,33 @@ def bench(out: str, target: TargetOptions, command_line: CommandLine,
     return 0
 
 
+def serve_check(target: TargetOptions, command_line: CommandLine,
+                heads: Annotated[dict[str, str] | None, Flag(choices="draftheads.heads:FAMILIES")] = None,
+                formats: Annotated[tuple[str, ...], Flag(sep=",", choices="draftheads.export.vllm:EXPORTS")] = (
+                    "vllm-eagle3", "speculators", "vllm-eagle", "vllm-medusa"),
+                k: Positive = 3, max_tokens: Positive = 64, prompts: str = "bundled:eval", limit_per_domain: Positive = 1,
+                vllm_python: str = ".venv-vllm/bin/python", out: str = "runs/vllm-check", update: bool = False) -> int:
+    """Serve exported heads in vLLM itself and compare with this engine: text, τ and α per position, speed.
+
+    Args:
+        heads: the head of each family a format needs (default: the shipped one, a demo head, or one trained
+            here for 2 minutes)
+        formats: the export formats to serve
+        k: num_speculative_tokens (vLLM) = chain length (ours)
+        max_tokens: new tokens per prompt
+        prompts: prompt file, or bundled:eval
+        limit_per_domain: prompts per domain
+        vllm_python: python of vLLM's environment (make vllm-check builds .venv-vllm)
+        out: results directory
+        update: keep the other formats already in OUT/results.json and measure only --formats
+    """
+    from draftheads.export.serve_check import serve_check as run
+
+    model = target.load()
+    return run(model, target.target, heads or {}, list(formats), k, max_tokens, prompts, limit_per_domain, vllm_python,
+               out, update, command_line)
+
+
 def recipe(action: Annotated[str, Flag(positional=True, choices="draftheads.recipe.run:ACTIONS")],
            file: Annotated[str, Flag(positional=True)],
            set_: Annotated[list[str] | None, Flag(name="--set")] = None, redo: str = "", only: str = "",
@@ -487,7 +514,7 @@ def recipe(action: Annotated[str, Flag(positional=True, choices="draftheads.reci
 
 COMMANDS = {"info": info, "generate": generate, "distill": distill, "synthesize": synthesize,
             "cache-features": cache_features, "profile": profile, "export": export, "import": import_,
-            "eval": eval_, "bench": bench, "recipe": recipe}
+            "eval": eval_, "bench": bench, "serve-check": serve_check, "recipe": recipe}
 """Subcommand name -> its function; the function's signature is its flags."""
 
 

@@ -6,7 +6,7 @@
 # Each format's head defaults to the shipped reference head of its family, else the demo head
 # (runs/smollm2-<family>-demo/head), else one trained here for 2 minutes on a small distilled set (under
 # runs/vllm-check/heads/); pass --eagle3/--eagle/--medusa/--dflash/--dspark DIR or --formats to choose.
-# Extra arguments go to scripts/vllm_check.py.
+# Extra arguments go to `draftheads serve-check`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV_VLLM=${VENV_VLLM:-.venv-vllm}
@@ -19,4 +19,4 @@ if [ ! -f "$STAMP" ]; then
     touch "$STAMP"
 fi
 export WANDB_MODE=offline HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python scripts/vllm_check.py --vllm-python "$VENV_VLLM/bin/python" "$@"
+exec .venv/bin/draftheads serve-check --vllm-python "$VENV_VLLM/bin/python" "$@"

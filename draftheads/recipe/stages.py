@@ -28,7 +28,7 @@ from draftheads.utils import atomic_write_bytes, atomic_write_json, shown_from
 STAGES = ("synthesize", "distill", "features", "train", "extend", "export", "eval", "package", "bench", "compare",
           "scaling", "serve")
 
-LOADS_TARGET = ("synthesize", "distill", "cache-features", "export", "eval", "bench")
+LOADS_TARGET = ("synthesize", "distill", "cache-features", "export", "eval", "bench", "serve-check")
 """The ``draftheads`` commands of the stages that load the target (and so take ``--device``)."""
 HEAD_READERS = ("export", "eval", "package", "bench", "serve")
 """The stages made from the first head alone: made again when its last round is to be made (``compare``
@@ -392,14 +392,15 @@ class Plan:
     def serve_stage(self, fit: str) -> Stage:
         s, r = self.recipe.serve, self.recipe
         python = self.path(s.python)
-        script = self.cwd / "scripts/vllm_check.py"
-        skip = "" if python.is_file() and script.is_file() else (
-            f"vLLM not installed (no {self.shown(python)}; `make vllm-check` builds it)")
-        return Stage("serve", self.root / "serve/results.json", [Step("serve", [
-            sys.executable, str(script), "--target", r.target, f"--{r.head.family}", str(self.head), "--formats",
-            ",".join(self.formats()), "--vllm-python", str(python), "--limit-per-domain", str(s.limit_per_domain),
-            "--max-tokens", str(r.eval.max_new_tokens), "--out", str(self.root / "serve")])],
-            needs=(fit,), skip=skip, describe="vLLM serves the export; its τ and text against this engine's")
+        skip = "" if python.is_file() else f"vLLM not installed (no {self.shown(python)}; `make vllm-check` builds it)"
+        e = r.eval
+        prompts = e.prompts if e.prompts.startswith("bundled:") else str(self.path(e.prompts))
+        k = next((int(m[5:]) for m in e.modes if m.startswith("chain")), 3)  # served as the eval's chain
+        return Stage("serve", self.root / "serve/results.json", [Step("serve", self.dh(
+            "serve-check", "--target", r.target, f"--{r.head.family}", self.head, "--formats", ",".join(self.formats()),
+            "--k", k, "--vllm-python", python, "--prompts", prompts, "--limit-per-domain", s.limit_per_domain,
+            "--max-tokens", e.max_new_tokens, "--out", self.root / "serve"))],
+            needs=(fit,), skip=skip, describe="vLLM serves the export; its τ, α per position and text against this engine's")
 
     # ------------------------------------------------------------------ in-process work
 

@@ -45,7 +45,7 @@ def test_a_gpu_recipe_generates_with_vllm_and_trains_online(capsys):
     assert ". features [" not in out  # online: the target runs inside training
     assert "--engine vllm --tensor-parallel-size 1 --data-parallel-size 8" in out
     assert "--dtype bfloat16" in out and "eval --target meta-llama/Llama-3.1-8B-Instruct" in out
-    assert out.count("--device cuda") == 5  # synthesize, distill, export, eval, bench
+    assert out.count("--device cuda") == 6  # synthesize, distill, export, eval, bench, serve-check
     plan = Plan(load_recipe(ROOT / "recipes/llama31-8b-eagle3.yaml", ["run_dir=/tmp/x"]), ROOT, "c")
     train = next(s for s in plan.stages() if s.name == "train")
     assert train.needs == ("distill",)

@@ -1,8 +1,8 @@
-from _scripts import load_script
+from draftheads.export import serve_check
 
 
 def _script():
-    return load_script("vllm_check")
+    return serve_check
 
 
 def _row(vllm_tau, our_tau, identical=True):
@@ -21,7 +21,7 @@ def test_the_check_fails_on_a_tau_gap_beyond_the_tolerance_or_different_text():
 
 def test_the_table_names_the_head_each_format_was_checked_with():
     mod = _script()
-    res = {"command": "python scripts/vllm_check.py", "date": "d", "machine": {"platform": "p", "cpu_count": 2},
+    res = {"command": "draftheads serve-check", "date": "d", "machine": {"platform": "p", "cpu_count": 2},
            "vllm_version": "0.32.0", "k": 3, "prompts": ["a"], "max_tokens": 8, "plain_outputs_equal_across_engines": "1/1",
            "formats": {"vllm-eagle3": _row(2.0, 1.9)}}
     row = next(line for line in mod.markdown(res).splitlines() if line.startswith("| vllm-eagle3"))

@@ -1,17 +1,15 @@
-"""`make vllm-check`: exported heads served by vLLM itself, compared with our engine.
+"""The serve check (``draftheads serve-check``, ``make vllm-check``, a recipe's ``serve`` stage): exported
+heads served by vLLM itself, compared with this engine.
 
-For each format: export the head, run vLLM (in `.venv-vllm`, through scripts/vllm_run.py) greedy
-on the bundled eval prompts with and without the head, check the text is identical, read vLLM's
-speculative-decoding counters, and run our engine in chain mode with the same K on the same
-prompt ids. Both engines are also timed at batch 1: plain, with the head (vLLM: the exported
-chain; ours: the better of chain K and the small dynamic tree).
-
-    python scripts/vllm_check.py [--eagle3 DIR] [--eagle DIR] [--medusa DIR] [--k 3] [--out runs/vllm-check]
+For each format: export the head, run vLLM (in its own environment, through ``vllm_run.py`` beside this
+file) greedy on the eval prompts with and without the head, check the text is identical, read vLLM's
+speculative-decoding counters (τ, α per position), and run this engine in chain mode with the same K on the
+same prompt ids. Both engines are also timed at batch 1: plain, with the head (vLLM: the exported chain;
+ours: the better of chain K and the small dynamic tree).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -25,16 +23,14 @@ from draftheads.datagen.backends import last_error
 from draftheads.errors import DraftheadsError
 from draftheads.evaluation import machine
 from draftheads.export.vllm import EXPORTS, export_head, vllm_loader_extra
-from draftheads.heads import FAMILIES, load_head
+from draftheads.heads import load_head
 from draftheads.inference.build import make_proposer
 from draftheads.inference.engine import Engine
 from draftheads.inference.sampling import SamplingParams
 from draftheads.inference.timing import generation_run, interleaved, warm_up
 from draftheads.prompts import encode_chat, load_prompts
-from draftheads.targets import DEFAULT_TARGET, load_target, resolve_target, vllm_target_dir
+from draftheads.targets import resolve_target, vllm_target_dir
 from draftheads.utils import atomic_write_json, atomic_write_text, shown_from
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def say(msg: str) -> None:
@@ -120,10 +116,10 @@ def quick_head(kind: str, root: Path) -> Path:
               "--max-new-tokens", "96", "--features", "eagle3", "--feature-dir", str(features), "--max-seq-len", "512",
               "--val-fraction", "0.2", "--out", str(data)])
     base = f"configs/smollm2-{kind}-demo.yaml"
-    cfg = config_under(ROOT / base, root / kind, features,
+    cfg = config_under(base, root / kind, features,
                        trainer={"max_time": f"00:00:{QUICK_MINUTES:02d}:00", "logger": False, "callbacks": [],
                                 "enable_checkpointing": False})
-    path = save_config(cfg, root / kind / "train.yaml", f"{base} by scripts/vllm_check.py")
+    path = save_config(cfg, root / kind / "train.yaml", f"{base} by the serve check")
     say(f"training a quick {kind} head ({QUICK_MINUTES} min): train-head fit --config {path}")
     _run([str(bin_dir / "train-head"), "fit", "--config", str(path)])
     return head
@@ -159,80 +155,74 @@ def tok_s(run: dict) -> float:
     return sum(len(r["token_ids"]) for r in run["rows"]) / sum(r["wall_s"] for r in run["rows"])
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", default=DEFAULT_TARGET)
-    for name in FAMILIES:  # the head each format needs (default: see default_head)
-        p.add_argument(f"--{name}", default=None, help=f"a {name} head (default: shipped, demo, or trained here)")
-    p.add_argument("--formats", default="vllm-eagle3,speculators,vllm-eagle,vllm-medusa",
-                   help=f"comma list of {', '.join(EXPORTS)}")
-    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens (vLLM) = chain length (ours)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--limit-per-domain", type=int, default=1)
-    p.add_argument("--vllm-python", default=".venv-vllm/bin/python")
-    p.add_argument("--out", default="runs/vllm-check")
-    p.add_argument("--update", action="store_true",
-                   help="keep the other formats already in OUT/results.json and re-measure only --formats")
-    args = p.parse_args()
-    out = Path(args.out)
-    heads = {name: getattr(args, name) for name in FAMILIES}
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+def serve_check(target, target_spec: str, heads: dict[str, str | None], formats: list[str], k: int = 3,
+                max_tokens: int = 64,
+                prompts_spec: str = "bundled:eval", limit_per_domain: int = 1, vllm_python: str = ".venv-vllm/bin/python",
+                out: str | Path = "runs/vllm-check", update: bool = False, command: str = "") -> int:
+    """Serve each of ``formats`` (its head from ``heads``, by family; default: see :func:`default_head`) in vLLM
+    and compare it with this engine on ``target`` (loaded from ``target_spec``, which vLLM loads too); writes
+    ``out/results.{json,md}``. Returns 1 when a format fails (:func:`failures`), else 0."""
+    out = Path(out)
+    heads = dict(heads)
     unknown = [f for f in formats if f not in EXPORTS]
     if unknown:
         raise DraftheadsError(f"--formats {unknown} unknown: use some of {', '.join(EXPORTS)}")
+    if not Path(vllm_python).is_file():
+        raise DraftheadsError(f"--vllm-python {vllm_python}: vLLM is not installed there (`make vllm-check` builds "
+                              ".venv-vllm)")
     for fmt in formats:
         kind = EXPORTS[fmt].head_type
-        if heads[kind] is None:
+        if heads.get(kind) is None:
             heads[kind] = str(default_head(kind, out))
         if not os.path.isdir(heads[kind]):
             raise DraftheadsError(f"{fmt} needs a {kind} head: --{kind} {heads[kind]!r} is not a directory "
                                   "(train one with train-head, or drop it from --formats)")
     (out / "vllm").mkdir(parents=True, exist_ok=True)
 
-    target = load_target(args.target)
-    tdir = vllm_target_dir(Path(resolve_target(args.target)), out / "target")
+    tdir = vllm_target_dir(Path(resolve_target(target_spec)), out / "target")
     tok = target.tokenizer
-    prompts = load_prompts("bundled:eval", limit_per_domain=args.limit_per_domain)
-    ids = [encode_chat(tok, [{"role": "user", "content": q.turns[0]}], name=args.target) for q in prompts]
+    prompts = load_prompts(prompts_spec, limit_per_domain=limit_per_domain)
+    ids = [encode_chat(tok, [{"role": "user", "content": q.turns[0]}], name=target_spec) for q in prompts]
     prompt_file = out / "prompts.json"
     atomic_write_json(prompt_file, ids)
 
-    vplain = run_vllm(args.vllm_python, tdir, prompt_file, args.max_tokens, out / "vllm" / "plain.json")
+    vplain = run_vllm(vllm_python, tdir, prompt_file, max_tokens, out / "vllm" / "plain.json")
     say("ours: plain ...")
-    ours_plain = run_ours(target, None, [], ids, args.max_tokens)["plain"]
+    ours_plain = run_ours(target, None, [], ids, max_tokens)["plain"]
     cross = sum(a == r["token_ids"] for a, r in zip(ours_plain["token_ids"], vplain["rows"]))
-    res = {"command": "python scripts/vllm_check.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-           "machine": machine(), "target": args.target, "k": args.k, "max_tokens": args.max_tokens,
+    res = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "machine": machine(), "target": target_spec, "k": k, "max_tokens": max_tokens,
            "prompts": [q.id for q in prompts],
            "vllm_version": vplain["vllm_version"],
            "plain_outputs_equal_across_engines": f"{cross}/{len(ids)}", "formats": {}}
-    if args.update and (out / "results.json").is_file():
+    if update and (out / "results.json").is_file():
         res["formats"] = json.loads((out / "results.json").read_text())["formats"]
     ours: dict[tuple[str, str], tuple[dict, dict, dict]] = {}
     for fmt in formats:
         kind = EXPORTS[fmt].head_type
         head, _ = load_head(heads[kind])
-        export_dir, cmd = export_head(head, fmt, out / "export" / fmt, verifier=str(tdir), k=args.k, target=target)
+        export_dir, cmd = export_head(head, fmt, out / "export" / fmt, verifier=str(tdir), k=k, target=target)
         say(f"exported {fmt}: {cmd}")
+        shown = str(shown_from(heads[kind], Path.cwd()))
         try:
-            vspec = run_vllm(args.vllm_python, tdir, prompt_file, args.max_tokens, out / "vllm" / f"{fmt}.json",
-                             fmt, export_dir, args.k)
+            vspec = run_vllm(vllm_python, tdir, prompt_file, max_tokens, out / "vllm" / f"{fmt}.json",
+                             fmt, export_dir, k)
         except DraftheadsError as e:
             say(f"error: {e}")
-            res["formats"][fmt] = {"head": str(shown_from(heads[kind], ROOT)), "error": str(e), "vllm_command": cmd}
+            res["formats"][fmt] = {"head": shown, "error": str(e), "vllm_command": cmd}
             continue
-        v_tau, v_pos = vllm_acceptance(vspec["counters"], args.k)
+        v_tau, v_pos = vllm_acceptance(vspec["counters"], k)
         options = EXPORTS[fmt].proposer_options
         mine = (kind, json.dumps(options, sort_keys=True))
         if mine not in ours:  # vllm-eagle3 and speculators share one head
-            say(f"ours: {kind} chain{args.k} and small tree {options or ''}...")
+            say(f"ours: {kind} chain{k} and small tree {options or ''}...")
             runs = run_ours(target, make_proposer(target, head=heads[kind], options=options),
-                            [f"chain{args.k}", "small"], ids, args.max_tokens)
-            ours[mine] = runs[f"chain{args.k}"], runs["small"], runs["plain"]
+                            [f"chain{k}", "small"], ids, max_tokens)
+            ours[mine] = runs[f"chain{k}"], runs["small"], runs["plain"]
         chain, tree, plain_here = ours[mine]
-        best = max(((f"chain{args.k}", chain), ("small", tree)), key=lambda x: x[1]["tok_s"])
+        best = max(((f"chain{k}", chain), ("small", tree)), key=lambda x: x[1]["tok_s"])
         res["formats"][fmt] = {
-            "head": str(shown_from(heads[kind], ROOT)), "vllm_tau": v_tau, "our_tau": chain["metrics"].tau,
+            "head": shown, "vllm_tau": v_tau, "our_tau": chain["metrics"].tau,
             "identical_output": all(a["token_ids"] == b["token_ids"] for a, b in zip(vspec["rows"], vplain["rows"])),
             "ours_identical_to_our_plain": chain["token_ids"] == ours_plain["token_ids"] == tree["token_ids"],
             "vllm_per_position": v_pos, "our_per_position": chain["metrics"].alpha,
@@ -288,10 +278,3 @@ def markdown(res: dict) -> str:
     lines.append("")
     lines.append(f"Plain greedy outputs equal across the two engines: {res['plain_outputs_equal_across_engines']} prompts.")
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except DraftheadsError as e:
-        sys.exit(f"error: {e}")

@@ -1,10 +1,10 @@
-"""vLLM side of `make vllm-check`: greedy generation with or without an exported head.
+"""vLLM side of the serve check (``draftheads serve-check``): greedy generation with or without an exported head.
 
 Runs inside `.venv-vllm` (vLLM's own pins), so it imports only the standard library and vLLM.
 Prompts arrive as token ids so both engines see exactly the same input. One request at a time
 (batch 1), after one warm-up request, and timed per request.
 
-    python scripts/vllm_run.py --target DIR --prompts prompts.json --max-tokens 64 \
+    python draftheads/export/vllm_run.py --target DIR --prompts prompts.json --max-tokens 64 \
         [--method eagle3 --draft DIR --k 3] --out result.json
 """
 
