@@ -30,6 +30,7 @@ def run_recipe(path: str, overrides: list[str] = (), redo: str = "", only: str =
     cwd = (cwd or Path.cwd()).absolute()
     command = shlex.join(["draftheads", "recipe", "run", str(path), *(a for o in overrides for a in ("--set", o))])
     plan = Plan(recipe, cwd, command)
+    plan.check_layers()
     stages = plan.stages()
     names = [s.name for s in stages]
     redo_set = set(names) if redo == "all" else {s for s in redo.split(",") if s}

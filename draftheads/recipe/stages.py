@@ -21,7 +21,7 @@ from pathlib import Path
 from draftheads.errors import DraftheadsError
 from draftheads.recipe import package as pkg
 from draftheads.recipe import scaling
-from draftheads.recipe.config import Head, Recipe
+from draftheads.recipe.config import Head, Recipe, RecipeError
 from draftheads.recipe.runner import Stage, Step
 from draftheads.utils import atomic_write_bytes, atomic_write_json, shown_from
 
@@ -155,6 +155,28 @@ class Plan:
         if head.precision == "auto":
             return "bf16-mixed" if native_dtype() == "bfloat16" else "32"
         return head.precision or None
+
+    def check_layers(self) -> None:
+        """A head whose config names target layers the target lacks stops here, in one line. The target's
+        config is read (without its weights) only when some head names layers."""
+        import yaml
+
+        named = []
+        for i, h in enumerate(self.recipe.heads):
+            init = {**yaml.safe_load(self.path(h.config).read_text())["model"].get("init_args", {}), **h.model}
+            named += [(i, key, init[key]) for key in ("aux_layer_ids", "target_layer_ids") if init.get(key)]
+        if not named:
+            return
+        from draftheads.targets import text_config
+
+        try:
+            n = text_config(self.recipe.target).num_hidden_layers
+        except (OSError, ValueError):
+            return  # not readable here (a hub id offline): train-head checks the layers when it loads the target
+        for i, key, ids in named:
+            if min(ids) < 1 or max(ids) > n:
+                raise RecipeError(f"heads.{i}.model.{key}", f"{list(ids)}: target {self.recipe.target} has {n} "
+                                  f"layers (HF hidden-state ids 1..{n}); leave it out for the family's own layers")
 
     def layers(self) -> str:
         """The feature layers every head reads, as a spec of family names (``eagle3+dflash``)."""

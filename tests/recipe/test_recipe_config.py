@@ -222,3 +222,17 @@ def test_fits_writes_the_configs_of_the_unfinished_fits_in_order(tmp_path):
     (run / "main/head").mkdir()
     assert write_fits(str(path), cwd=tmp_path, only="extend")[0] == run / "extended/train.yaml"
     assert write_fits(str(path), cwd=tmp_path, only="train") == []
+
+
+def test_a_head_naming_layers_the_target_lacks_is_one_line(tmp_path):
+    from draftheads.testing import save_tiny_llama
+
+    tiny = save_tiny_llama(tmp_path / "tiny")  # 4 layers
+    head = {"family": "eagle3", "config": EAGLE3, "model": {"aux_layer_ids": [1, 2, 6]}}
+    path = _write(tmp_path, target=str(tiny), heads=[head])
+    with pytest.raises(DraftheadsError) as e:
+        run_recipe(str(path), dry_run=True, cwd=tmp_path)
+    assert str(e.value).startswith("recipe field heads.0.model.aux_layer_ids: [1, 2, 6]: target ")
+    assert "has 4 layers" in str(e.value) and "\n" not in str(e.value)
+    head["model"]["aux_layer_ids"] = [1, 2, 3]
+    assert run_recipe(str(_write(tmp_path, target=str(tiny), heads=[head])), dry_run=True, cwd=tmp_path) == 0
