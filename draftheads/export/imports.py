@@ -23,6 +23,7 @@ import json
 import os
 import pickle
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,7 +45,6 @@ from draftheads.heads import (
 )
 from draftheads.utils import load_safetensors
 
-SOURCES = ("medusa", "eagle", "eagle3", "speculators", "dflash", "dspark")
 _WEIGHT_FILES = ("model.safetensors", "medusa_lm_head.safetensors", "pytorch_model.bin", "medusa_lm_head.pt",
                  "model.pt", "pytorch_model.pt")
 
@@ -305,6 +305,24 @@ def import_dspark(src: Path) -> DSparkHead:
     return head
 
 
+SOURCES: dict[str, Callable] = {
+    "medusa": lambda src, layers: import_medusa(src),
+    "eagle": lambda src, layers: import_eagle(src),
+    "eagle3": import_eagle3,
+    "speculators": import_speculators,
+    "dflash": lambda src, layers: import_dflash(src),
+    "dspark": lambda src, layers: import_dspark(src),
+}
+"""Public checkpoint format (``--from``) -> (path, target layers or None) -> the head; a new family's
+importer joins with :func:`register_source`."""
+
+
+def register_source(name: str, importer: Callable) -> Callable:
+    """Add a public checkpoint format: ``importer(path, target_layers)`` returns the head module."""
+    SOURCES[name] = importer
+    return importer
+
+
 def import_checkpoint(source: str, src: str | os.PathLike, out: str | os.PathLike, target_layers: int | None = None,
                       overwrite: bool = False):
     if source not in SOURCES:
@@ -312,13 +330,6 @@ def import_checkpoint(source: str, src: str | os.PathLike, out: str | os.PathLik
     src = Path(src)
     if not src.exists():
         raise DraftheadsError(f"{src} does not exist: point at the checkpoint directory or weight file")
-    head = {
-        "medusa": lambda: import_medusa(src),
-        "eagle": lambda: import_eagle(src),
-        "eagle3": lambda: import_eagle3(src, target_layers),
-        "speculators": lambda: import_speculators(src, target_layers),
-        "dflash": lambda: import_dflash(src),
-        "dspark": lambda: import_dspark(src),
-    }[source]()
+    head = SOURCES[source](src, target_layers)
     save_head(head, out, {"imported_from": {"source": source, "path": str(src)}}, overwrite=overwrite, inputs=(src,))
     return head

@@ -1,5 +1,6 @@
 """A new head family is one record plus its own files: registered from outside the package, a toy family
-trains with train-head, drafts in the engine (greedy text unchanged) and exports, with no edit elsewhere."""
+trains with train-head, drafts in the engine (greedy text unchanged), exports and imports, with no edit
+elsewhere."""
 
 import json
 
@@ -28,7 +29,9 @@ def toy_family(monkeypatch):
     from draftheads.inference.proposers import registry
 
     proposers.proposer_for("medusa")  # the built-in ones registered first, so that the copy holds them
-    for module, name in ((heads, "FAMILIES"), (vllm, "EXPORTS"), (registry, "PROPOSERS")):
+    from draftheads.export import imports
+
+    for module, name in ((heads, "FAMILIES"), (vllm, "EXPORTS"), (registry, "PROPOSERS"), (imports, "SOURCES")):
         monkeypatch.setattr(module, name, dict(getattr(module, name)))
     monkeypatch.setattr(vllm, "FORMATS", vllm.EXPORTS)
     register_toy_family()
@@ -66,3 +69,8 @@ def test_a_family_registered_from_outside_trains_drafts_and_exports(tmp_path, to
     path, _ = export_head(head, "toy-medusa", tmp_path / "export", k=2, target=target)
     check_contract(path, vllm.EXPORTS["toy-medusa"], TargetShape.of(target.model), k=2, head_config=head.config)
     assert json.loads((path / "config.json").read_text())["num_heads"] == 2
+    # and its public checkpoints import (here: the export just written, read back)
+    from draftheads.export.imports import import_checkpoint
+
+    back = import_checkpoint("toy", path, tmp_path / "imported")
+    assert type(back).__name__ == "ToyHeads" and load_head(tmp_path / "imported")[1]["head_type"] == "toy"
