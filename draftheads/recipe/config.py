@@ -96,6 +96,8 @@ class Head:
     """overrides of the config's model init_args"""
     trainer: dict = field(default_factory=dict)
     """overrides of the config's trainer"""
+    data: dict = field(default_factory=dict)
+    """overrides of the config's data section (batch_size, num_workers, ...)"""
     modes: list[str] = field(default_factory=list)
     """eval modes of this head beside the others (``compare``; default: the recipe's eval modes)"""
 

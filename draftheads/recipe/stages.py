@@ -256,7 +256,7 @@ class Plan:
         model = {"target": self.recipe.target, **head.model}
         if init is not None:
             model |= {"init_head": str(init), **({"lr": head.restart_lr} if head.restart_lr else {})}
-        data = {"train_fraction": fraction} if fraction < 1 else {}
+        data = {**head.data, **({"train_fraction": fraction} if fraction < 1 else {})}
         if not self.cached:
             data |= {"feature_dir": None, "train_files": [str(self.answers_from())],
                      "max_length": self.recipe.data.max_seq_len, "val_fraction": self.recipe.data.val_fraction}

@@ -80,3 +80,40 @@ def test_synthesize_refuses_a_base_model_with_one_line(tmp_path, monkeypatch):
     with pytest.raises(DraftheadsError, match="has no chat template \\(a base model\\)") as e:
         synthesize(target, tmp_path / "p.jsonl", SynthConfig(num_prompts=2), progress=lambda m: None)
     assert "\n" not in str(e.value)
+
+
+GPU = {"llama31-8b-eagle3.yaml": ("llama", {"draft_vocab_size": 64, "ttt_steps": 2}, ["chain3"]),
+       "qwen3-8b-eagle3.yaml": ("qwen3", {"draft_vocab_size": 64, "ttt_steps": 2}, ["chain3"]),
+       "qwen3-8b-dflash.yaml": ("qwen3", {"num_layers": 1, "block_size": 4, "anchors_per_row": 8}, ["chain3"])}
+
+
+@pytest.mark.parametrize("name", sorted(GPU))
+def test_a_gpu_recipe_runs_on_cpu_with_its_target_swapped_for_a_tiny_one(name, tmp_path, monkeypatch):
+    """The GPU recipe file itself (online training: the target runs inside the fit), its target a tiny random
+    one of the same family and its sizes shrunk; vLLM, the GPUs and FSDP swapped for this engine and a CPU."""
+    from pathlib import Path
+
+    monkeypatch.setattr(recipe_run, "plain_decode_rate", lambda: None)
+    arch, model, modes = GPU[name]
+    _recipe(tmp_path, arch, True)  # writes the tiny target and the prompt file
+    target, prompts = tmp_path / "target", tmp_path / "prompts.jsonl"
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / name
+    sets = [f"target={target}", f"run_dir={tmp_path / 'gpu-run'}", "device=cpu", "data.engine=draftheads",
+            "data.data_parallel_size=1", f"data.prompts=[{prompts}]", "data.synthesize=2",
+            "data.synthesize_options={max_prompt_tokens: 16, multi_turn: 0.0, domains: [chat, qa], top_k: 100}",
+            "data.max_new_tokens=12", "data.max_seq_len=96", "data.batch_size=8", "data.dtype=float32",
+            "data.val_fraction=0.25", f"heads.0.model={json.dumps({'target_dtype': 'float32', **model})}",
+            "heads.0.trainer={accelerator: cpu, devices: 1, num_nodes: 1, strategy: auto, precision: '32', "
+            "max_epochs: 1, val_check_interval: 1.0, logger: false, enable_progress_bar: false}",
+            "heads.0.data={batch_size: 2, num_workers: 0}", f"eval.prompts={prompts}", "eval.limit_per_domain=1",
+            "eval.max_new_tokens=8", f"eval.modes={modes}", "bench=null", f"package.dir={tmp_path / 'packaged'}",
+            f"package.mode={modes[0]}", f"serve.python={tmp_path / 'no-vllm/bin/python'}"]
+    assert run_recipe(str(recipe), sets, cwd=Path(__file__).resolve().parents[2]) == 0
+    log = (tmp_path / "gpu-run/log.txt").read_text()
+    for stage in ("synthesize", "distill", "train", "export", "eval", "package"):
+        assert f"=== {stage}: done in" in log, stage
+    assert "=== features:" not in log  # online: no feature cache
+    cfg = yaml.safe_load((tmp_path / "gpu-run/main/train.yaml").read_text())
+    assert cfg["data"]["feature_dir"] is None and cfg["data"]["train_files"][0].endswith("data/train.jsonl")
+    assert json.loads((tmp_path / "gpu-run/eval/results.json").read_text())["modes"][modes[0]]["overall"][
+        "greedy_mismatches"] == 0
