@@ -236,6 +236,7 @@ def tables(res: dict) -> str:
                   "interval", "", "| proposer | " + " | ".join(f"batch {b}" for b in bs) + " |",
                   "|---" * (len(bs) + 1) + "|"]
         for name, v in res["batch_sweep"].items():
+            v = {int(b): cell for b, cell in v.items()}  # the batch sizes are strings once written as JSON
             lines.append(f"| {name} | " + " | ".join(_sweep_cell(v[b]) if b in v else "-" for b in bs) + " |")
         lines.append("")
     if "datagen" in res:
