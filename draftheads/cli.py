@@ -488,6 +488,22 @@ def serve_check(target: TargetOptions, command_line: CommandLine,
                out, update, command_line)
 
 
+def report(check: bool = False) -> int:
+    """Render every published results table from the JSON its command wrote (docs/results, the README headline).
+
+    Args:
+        check: write nothing; exit 1 when a committed table differs from its render
+    """
+    from pathlib import Path
+
+    from draftheads.bench.report import report as run
+
+    changed = run(Path.cwd(), write=not check)
+    for p in changed:
+        print(f"{'differs' if check else 'rendered'}: {p.relative_to(Path.cwd())}")
+    return 1 if check and changed else 0
+
+
 def recipe(action: Annotated[str, Flag(positional=True, choices="draftheads.recipe.run:ACTIONS")],
            file: Annotated[str, Flag(positional=True)],
            set_: Annotated[list[str] | None, Flag(name="--set")] = None, redo: str = "", only: str = "",
@@ -514,7 +530,7 @@ def recipe(action: Annotated[str, Flag(positional=True, choices="draftheads.reci
 
 COMMANDS = {"info": info, "generate": generate, "distill": distill, "synthesize": synthesize,
             "cache-features": cache_features, "profile": profile, "export": export, "import": import_,
-            "eval": eval_, "bench": bench, "serve-check": serve_check, "recipe": recipe}
+            "eval": eval_, "bench": bench, "serve-check": serve_check, "report": report, "recipe": recipe}
 """Subcommand name -> its function; the function's signature is its flags."""
 
 

@@ -1,28 +1,45 @@
-"""Every results table under docs/results/ is what its command's own renderer makes of the JSON beside it:
-re-rendered here, a committed table that differs (a number typed by hand, or a renderer that changed
-without the pages being rendered again) fails."""
+"""Every published results table is what `draftheads report` renders from the JSON its command wrote: the
+tables under docs/results/ and the README's headline. A number typed by hand, or a renderer changed without
+the pages rendered again, fails here."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from draftheads import evaluation
-from draftheads.bench import speed
+from draftheads.bench.report import CARD, report
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
-RUNS = sorted(RESULTS.rglob("results.json"))
-
-
-def render(res: dict) -> str:
-    """The table the command that wrote ``res`` wrote beside it (eval or bench)."""
-    return evaluation.markdown(res) if "modes" in res else speed.tables(res)
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = sorted((ROOT / "docs/results").rglob("results.json"))
 
 
-@pytest.mark.parametrize("path", RUNS, ids=lambda p: str(p.parent.relative_to(RESULTS)))
-def test_a_committed_results_table_is_its_json_rendered(path):
-    assert path.with_name("results.md").read_text() == render(json.loads(path.read_text()))
-
-
-def test_the_results_folders_are_found():
+def test_every_committed_table_is_its_json_rendered():
     assert len(RUNS) >= 7
+    assert report(ROOT, write=False) == []
+
+
+@pytest.fixture
+def copy(tmp_path):
+    shutil.copytree(ROOT / "docs/results", tmp_path / "docs/results")
+    (tmp_path / CARD).parent.mkdir(parents=True)
+    shutil.copy(ROOT / CARD, tmp_path / CARD)
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    return tmp_path
+
+
+def test_a_number_typed_by_hand_is_found_and_rendered_again(copy):
+    readme = copy / "README.md"
+    readme.write_text(readme.read_text().replace("| chain3 | 2.07 |", "| chain3 | 2.17 |"))
+    table = sorted((copy / "docs/results").rglob("results.md"))[0]
+    table.write_text(table.read_text().replace("x", "X", 1))
+    assert sorted(report(copy, write=False)) == sorted([readme, table])
+    report(copy)
+    assert report(copy, write=False) == [] and "| chain3 | 2.07 |" in readme.read_text()
+
+
+def test_the_headline_follows_the_card(copy):
+    card = json.loads((copy / CARD).read_text())
+    card["eval"]["chain3"]["tau"] = 2.5
+    (copy / CARD).write_text(json.dumps(card))
+    assert report(copy) == [copy / "README.md"] and "| chain3 | 2.50 |" in (copy / "README.md").read_text()
