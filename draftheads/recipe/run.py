@@ -136,7 +136,8 @@ def reconcile(plan: Plan, run: Run, store, stages: list[Stage], redo: set[str]) 
 
 
 def execute(run: Run, s: Stage, only: frozenset[str]) -> None:
-    if s.skip and not s.finished() and (not only or s.name in only):
+    finished = s.finished()  # a check may read the stage's output (distill counts its answers): once
+    if s.skip and not finished and (not only or s.name in only):
         run.say(f"=== {s.name}: skipped: {s.skip}")
         return
 
@@ -152,7 +153,7 @@ def execute(run: Run, s: Stage, only: frozenset[str]) -> None:
         if s.after:
             s.after(run.times, run.say)
 
-    run.stage(s.name, s.done, make, finished=s.finished(), grown=s.grown, only=only)
+    run.stage(s.name, s.done, make, finished=finished, grown=s.grown, only=only)
 
 
 def print_plan(plan: Plan, stages: list[Stage], redo: set[str], only: frozenset[str], problem: str) -> None:

@@ -25,9 +25,6 @@ from draftheads.recipe.config import Head, Recipe, RecipeError
 from draftheads.recipe.runner import Stage, Step
 from draftheads.utils import atomic_write_bytes, atomic_write_json, shown_from
 
-STAGES = ("synthesize", "distill", "features", "train", "extend", "export", "eval", "package", "bench", "compare",
-          "scaling", "serve")
-
 LOADS_TARGET = ("synthesize", "distill", "cache-features", "export", "eval", "bench", "serve-check")
 """The ``draftheads`` commands of the stages that load the target (and so take ``--device``)."""
 HEAD_READERS = ("export", "eval", "package", "bench", "serve")
@@ -488,10 +485,8 @@ class Plan:
         return after
 
     def _scaling(self, times: dict, say) -> None:
-        from draftheads.recipe.package import feature_tokens
-
         s, head = self.recipe.scaling, self.recipe.head
-        tokens = feature_tokens(self.features)["train"]["answer_tokens"]
+        tokens = pkg.feature_tokens(self.features)["train"]["answer_tokens"]
         points = []
         for f, name in self.scaling_points():
             meta = json.loads((self.root / name / "head/config.json").read_text())
