@@ -372,7 +372,7 @@ def bench(out: str, target: TargetOptions, command_line: CommandLine,
           limit_per_domain: Positive = 1,
           max_new_tokens: Positive = 128, batch_tokens: Positive = 32,
           batches: Annotated[tuple[int, ...], Flag(sep=",", low=1)] = (1, 2, 4, 8, 16), batch_repeats: Positive = 3,
-          repeats: Positive = 5, datagen_batch: Positive = 64, lm_head_check: bool = False,
+          repeats: Positive = 5, datagen_batch: Positive = 64, lm_head_check: bool = False, own_text: bool = False,
           only: Annotated[tuple[str, ...] | None, Flag(sep=",", choices="draftheads.bench.speed:PARTS")] = None,
           ) -> int:
     """Verify curve, proposer speeds, batch sweep, loss memory and the engine's best case, side by side.
@@ -392,6 +392,8 @@ def bench(out: str, target: TargetOptions, command_line: CommandLine,
         repeats: timed forwards per point of the verify curve
         datagen_batch: batch of the datagen part (2x as many prompts)
         lm_head_check: proposers part: also time the first head on a fixed tree with the full lm_head projection
+        own_text: each mode decodes its own greedy text, instead of every engine verifying along plain decoding's
+            (in reduced precision near ties flip with the verify shape, and the texts then differ by mode)
         only: the parts to run (default: all)
     """
     from pathlib import Path
@@ -436,10 +438,11 @@ def bench(out: str, target: TargetOptions, command_line: CommandLine,
         res["memory_bound"] = speed.memory_bound_check(model.model, curve)
         say(f"verify curve: {res['verify_curve']}")
     if "proposers" in parts:
-        res["proposers"] = speed.proposer_speeds(model, {**proposers, **lm_head}, rows, max_new_tokens, progress=say)
+        res["proposers"] = speed.proposer_speeds(model, {**proposers, **lm_head}, rows, max_new_tokens, progress=say,
+                                                 one_text=not own_text)
     if "batch" in parts:
         res["batch_sweep"] = speed.batch_sweep(model, proposers, rows, batch_tokens, list(batches),
-                                               repeats=batch_repeats, progress=say)
+                                               repeats=batch_repeats, progress=say, one_text=not own_text)
     if "ceiling" in parts:
         res["ceiling"] = speed.ceiling(model, rows, max_new_tokens, progress=say)
     if "datagen" in parts:

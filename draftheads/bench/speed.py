@@ -9,16 +9,26 @@ that end at different lengths), ``ceiling`` (the engine's best case: a drafter t
 with a fixed probability per position, against plain decoding). Except in ``datagen``, every timed
 configuration generates exactly ``max_new_tokens`` tokens per prompt (no early stop), alternating between
 methods per prompt.
+
+**One text for every mode** (``one_text``, the default of ``proposers`` and ``batch``): greedy
+speculation emits plain decoding's text exactly in float32, but in reduced precision the target's
+argmax flips between near-tied tokens with the shape of the verify forward, and from the first flip each
+mode decodes a text of its own. One mode then falls into a repetition loop that a draft predicts almost
+for free and another does not, and the comparison measures which text each got, not the mode. So plain
+decoding's batch-1 text is decoded first, and every engine then verifies along it
+(:class:`~draftheads.inference.verify.ReferenceVerifier`: the same forwards and projections, the text's
+token emitted where the argmax differs, the number of such flips reported).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from draftheads.evaluation import first_difference
-from draftheads.inference.engine import Engine
+from draftheads.inference.engine import Engine, EngineConfig
 from draftheads.inference.sampling import SamplingParams
 from draftheads.inference.timing import Run, generation_run, interleaved, tokens_per_forward, warm_up
 
@@ -45,17 +55,44 @@ def _hf_generate(model, ids, n, prompt_lookup: int | None = None):
     return out.shape[1] - len(ids)
 
 
-def proposer_speeds(target, proposers: dict, prompts: list[list[int]], n: int, progress=print) -> dict:
-    """Tokens/s per method on the same prompts at batch 1; ratio to our plain decode (pooled, and the
-    median of per-prompt ratios with quartiles). ``proposers``: {name: (proposer, tree mode, config)}."""
+def _config(cfg: EngineConfig | None, one_text: bool) -> EngineConfig | None:
+    return dataclasses.replace(cfg or EngineConfig(), verifier="reference") if one_text else cfg
+
+
+def _engines(target, proposers: dict, one_text: bool, plain: tuple[str, ...]) -> dict:
+    """Engines by name: plain decoding's (``plain``) and one per proposer entry (name -> (proposer, tree
+    mode, config)), verifying along one text when ``one_text`` (texts set by :func:`_follow`)."""
     from draftheads.inference.build import make_engine
 
+    cfg = _config(None, one_text)
+    engines = {name: Engine(target.model, target.tokenizer, None, config=cfg) for name in plain}
+    engines.update({name: make_engine(target, p, tree, _config(c, one_text)) for name, (p, tree, c) in proposers.items()})
+    return engines
+
+
+def _follow(target, engines: dict, prompts: list[list[int]], params: SamplingParams) -> None:
+    """Decode plain decoding's batch-1 text of every prompt, for every engine with the reference verifier
+    to follow."""
+    plain = Engine(target.model, target.tokenizer, None)
+    texts = {tuple(p): plain.generate([p], params)[0].token_ids for p in dict.fromkeys(map(tuple, prompts))}
+    for e in engines.values():
+        if e.verifier.name == "reference":
+            e.verifier.texts = texts
+
+
+def proposer_speeds(target, proposers: dict, prompts: list[list[int]], n: int, progress=print,
+                    one_text: bool = True) -> dict:
+    """Tokens/s per method on the same prompts at batch 1; ratio to our plain decode (pooled, and the
+    median of per-prompt ratios with quartiles). ``proposers``: {name: (proposer, tree mode, config)};
+    ``one_text``: every engine verifies along plain decoding's text (see the module docstring)."""
     model = target.model
     params = SamplingParams(max_new_tokens=n, stop_at_eos=False)
     # "plain (again)": a second plain engine, the A/A control: its ratio is the harness's noise floor
-    engines = {"plain": Engine(model, target.tokenizer, None), "plain (again)": Engine(model, target.tokenizer, None)}
-    engines.update({name: make_engine(target, p, tree, cfg) for name, (p, tree, cfg) in proposers.items()})
+    engines = _engines(target, proposers, one_text, ("plain", "plain (again)"))
     warm_up(engines.values(), prompts[0])
+    if one_text:
+        progress("proposers: decoding plain decoding's text to follow")
+        _follow(target, engines, prompts, params)
     _hf_generate(model, prompts[0][:8], 2)
 
     def hf(prompt_lookup):
@@ -77,6 +114,8 @@ def proposer_speeds(target, proposers: dict, prompts: list[list[int]], n: int, p
                           implausible=r["flagged"], above_bound=r["above_bound"])
         if m in engines and m != "plain":
             out[m].update(same_text(t.runs["plain"], t.runs[m]))
+            if engines[m].verifier.name == "reference":
+                out[m]["flips"] = engines[m].verifier.flips  # over every timed run of it
         if m in engines and engines[m].proposer is not None:
             agg = t.metrics(m)
             out[m].update(tau=agg.tau, alpha=agg.alpha, tokens_per_forward=tokens_per_forward(agg),
@@ -87,7 +126,7 @@ def proposer_speeds(target, proposers: dict, prompts: list[list[int]], n: int, p
 
 
 def same_text(base: list[Run], runs: list[Run]) -> dict:
-    """How far a method's outputs agree with plain decoding's, prompt by prompt: ``same_text`` prompts of
+    """How far a method's outputs agree with plain decoding's, prompt by prompt: ``one_text`` prompts of
     ``prompts`` identical, and the mean share of each output before its first differing token. Greedy
     speculation is exact, but in reduced precision the target's argmax may flip between near-tied tokens
     with the shape of the verify forward, and from there each method decodes (and is timed on) its own
@@ -127,28 +166,30 @@ def ceiling(target, prompts: list[list[int]], n: int, chains=(3, 5), p: float = 
 
 
 def batch_sweep(target, proposers: dict, prompts: list[list[int]], n: int, batches=(1, 2, 4, 8, 16),
-                repeats: int = 3, progress=print) -> dict:
+                repeats: int = 3, progress=print, one_text: bool = True) -> dict:
     """Speedup of each proposer over plain decoding at each batch size (same rows, interleaved, ``repeats``
     pairs; the pooled ratio with the median and quartiles of the pairs). ``proposers``: {name: (proposer,
     tree mode, config)}; one engine per proposer serves every batch size, as a server would (``auto``
-    keeps its measurements per batch size)."""
-    from draftheads.inference.build import make_engine
-
-    model = target.model
+    keeps its measurements per batch size). ``one_text``: every engine verifies along plain decoding's
+    batch-1 text (see the module docstring)."""
     params = SamplingParams(max_new_tokens=n, stop_at_eos=False)
-    plain = Engine(model, target.tokenizer, None)
-    engines = {"plain (again)": Engine(model, target.tokenizer, None)}  # the A/A control
-    engines.update({name: make_engine(target, p, tree, cfg) for name, (p, tree, cfg) in proposers.items()})
+    engines = _engines(target, proposers, one_text, ("plain", "plain (again)"))  # "plain (again)": the A/A control
+    plain = engines.pop("plain")
     warm_up([plain, *engines.values()], prompts[0])
+    if one_text:
+        _follow(target, {"plain": plain, **engines}, prompts[: max(batches)], params)
     out: dict = {name: {} for name in engines}
     for b in batches:
         rows = [prompts[i % len(prompts)] for i in range(b)]
         methods = {"plain": lambda rows: generation_run(plain, rows, params)}
         methods.update({name: (lambda rows, e=e: generation_run(e, rows, params)) for name, e in engines.items()})
+        before = {name: getattr(e.verifier, "flips", 0) for name, e in engines.items()}
         t = interleaved(methods, [rows] * repeats)
-        for name in engines:
+        for name, e in engines.items():
             r = t.ratio(name)
             out[name][b] = {k: r[k] for k in ("speedup", "median", "q25", "q75", "ci95", "pairs", "above_bound")}
+            if e.verifier.name == "reference":
+                out[name][b]["flips"] = e.verifier.flips - before[name]
             progress(f"batch sweep: {name} batch {b}: {r['speedup']:.2f}x, median {r['median']:.2f}x "
                      f"(95% CI {r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}, {r['pairs']} pairs)")
     return out
@@ -216,9 +257,16 @@ def tables(res: dict) -> str:
             cost = f"{v['tokens_per_forward'] / v['ratio_vs_plain']:.2f}" if "tokens_per_forward" in v else "-"
             text = (f"{v['same_text']}/{v['prompts']} same, {100 * v['shared_prefix']:.0f} % before the first "
                     "difference" if "same_text" in v else "-")
+            if "flips" in v:
+                text += f", {v['flips']} argmax flips followed"
             lines.append(f"| {m} | {v['tokens_per_s']:.1f} | {v['ratio_vs_plain']:.2f}x | {med} | {tau} | {drafted} "
                          f"| {cost} | {text} |")
         lines.append("")
+        if any("flips" in v for v in res["proposers"].values()):
+            lines += ["Every engine verified along plain decoding's text (the same forwards and projections; where "
+                      "the target's argmax in a mode's verify shape differs from that text's token, a near tie in "
+                      "reduced precision, the text's token is emitted and counted as a flip), so every mode is timed "
+                      "on one text.", ""]
         if any(v.get("same_text", 0) < v.get("prompts", 0) for v in res["proposers"].values()):
             lines += ["Some methods decoded texts that differ from plain decoding's: in reduced precision the "
                       "target's argmax can flip between near-tied tokens with the shape of the verify forward, so "
@@ -269,6 +317,7 @@ def tables(res: dict) -> str:
 def _sweep_cell(v: dict) -> str:
     lo, hi = v["ci95"]
     flag = ", ABOVE its τ bound: re-run" if v.get("above_bound") else ""
+    flag += f", {v['flips']} argmax flips followed" if v.get("flips") else ""
     return f"{v['speedup']:.2f}x (median {v['median']:.2f}x, CI {lo:.2f}-{hi:.2f}, {v['pairs']} pairs{flag})"
 
 

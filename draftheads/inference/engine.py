@@ -50,8 +50,9 @@ class EngineConfig:
     use_triton: bool | None = None
     """Triton attention kernels: None = on CUDA only, True/False = force."""
     verifier: str = "exact"
-    """``exact`` (lossless: greedy or rejection sampling per request) or ``synthetic`` (acceptance by
-    ``synthetic_rates`` whatever the tokens, for speed measurements on random-weight targets)."""
+    """``exact`` (lossless: greedy or rejection sampling per request), ``synthetic`` (acceptance by
+    ``synthetic_rates`` whatever the tokens, for speed measurements on random-weight targets) or
+    ``reference`` (greedy along given texts, for timing modes on one text in reduced precision)."""
     synthetic_rates: tuple[float, ...] = ()
     """Per-position acceptance probabilities of the synthetic verifier."""
     verify_on_device: bool | None = None

@@ -13,8 +13,9 @@
 The engine picks one :class:`Verifier` from its config (``VERIFIERS``): ``exact`` does the above per
 request (greedy or sampled by its parameters), ``synthetic`` accepts drafted positions with given
 probabilities whatever the tokens, for speed measurements on random-weight targets (vLLM's synthetic
-rejection sampling). Both read the target's logits through :class:`NodeLogits`, which projects the
-final hidden states through the lm_head only at the nodes a walk reaches.
+rejection sampling), and ``reference`` walks as the greedy one does but along a given text, to time
+modes on one text in reduced precision. All read the target's logits through :class:`NodeLogits`,
+which projects the final hidden states through the lm_head only at the nodes a walk reaches.
 """
 
 from __future__ import annotations
@@ -211,11 +212,14 @@ class ExactVerifier(Verifier):
         return out
 
 
-def _greedy_walk(trees: list[Tree], logits: NodeLogits, offs: list[int], ahead: int = 0) -> list[VerifyResult]:
+def _greedy_walk(trees: list[Tree], logits: NodeLogits, offs: list[int], ahead: int = 0,
+                 follow: list[list[int] | None] | None = None, flips: list[int] | None = None) -> list[VerifyResult]:
     """The host walk, depth by depth for every row at once. Each lm_head call projects, per row, the node
     reached and up to ``ahead`` of its likeliest descendants (the best-scored child, then its own): where
     the target follows the draft's own choice, one call serves several depths (a projection reads the
-    whole lm_head whatever its rows, so a few more rows cost little)."""
+    whole lm_head whatever its rows, so a few more rows cost little). ``follow`` (per row, or None): the
+    tokens the walk emits in place of the argmax, while they last (:class:`ReferenceVerifier`), counting
+    in ``flips[0]`` those that differ from it."""
     kids = [t.children() for t in trees]
     best = [_likeliest_children(t, k) for t, k in zip(trees, kids)]
     cur = [0] * len(trees)
@@ -233,6 +237,11 @@ def _greedy_walk(trees: list[Tree], logits: NodeLogits, offs: list[int], ahead: 
         for r, chain in zip(live, chains):
             for j in range(len(chain)):
                 w = want[at + j]
+                if follow is not None and follow[r] is not None and len(res[r].tokens) < len(follow[r]):
+                    forced = follow[r][len(res[r].tokens)]
+                    if flips is not None and forced != w:
+                        flips[0] += 1
+                    w = forced
                 res[r].tokens.append(w)
                 nxt = next((c for c in kids[r][cur[r]] if trees[r].tokens[c] == w), None)
                 if nxt is None:
@@ -342,4 +351,36 @@ class SyntheticVerifier(Verifier):
         return [VerifyResult(acc, [t.tokens[i] for i in acc] + [b]) for t, acc, b in zip(trees, walks, bonus)]
 
 
-VERIFIERS = {"exact": ExactVerifier, "synthetic": SyntheticVerifier}
+class ReferenceVerifier(ExactVerifier):
+    """Greedy verification along given texts: the walk projects and reads the target's logits at the same
+    nodes as the exact walk (the same work), but emits the text's next token where the argmax differs.
+    For timing several modes on one text in reduced precision, where the argmax flips between near ties
+    with the shape of the verify forward and each mode would otherwise decode, and be timed on, a text
+    of its own. ``texts``: prompt tokens -> the continuation to follow (a prompt not in it decodes its own
+    argmax); ``flips`` counts the tokens that differed from the argmax. Greedy requests only."""
+
+    name = "reference"
+
+    def __init__(self, ahead: int = 0):
+        super().__init__(ahead=ahead)
+        self.texts: dict[tuple[int, ...], list[int]] = {}
+        self.flips = 0
+
+    @classmethod
+    def from_config(cls, config, on_device: bool = False, kernel: bool = False) -> ReferenceVerifier:
+        return cls(ahead=config.walk_ahead)
+
+    def verify(self, states, trees, logits):
+        if not all(st.params.greedy for st in states):
+            raise DraftheadsError("the reference verifier follows a greedy text: use temperature 0")
+        follow = []
+        for st in states:
+            text = self.texts.get(tuple(st.tokens[: st.prompt_len]))
+            follow.append(None if text is None else text[len(st.tokens) - st.prompt_len:])
+        flips = [0]
+        out = _greedy_walk(trees, logits, _offsets(trees), self.ahead, follow, flips)
+        self.flips += flips[0]
+        return out
+
+
+VERIFIERS = {"exact": ExactVerifier, "synthetic": SyntheticVerifier, "reference": ReferenceVerifier}

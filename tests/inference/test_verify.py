@@ -101,3 +101,51 @@ def test_same_seed_same_output():
     assert runs[0] == runs[1]
     gen = torch.Generator().manual_seed(8)
     assert [_first_three(target, draft, 3, 2, True, gen) for _ in range(50)] != runs[0]
+
+
+# ------------------------------------------------------------------ the reference verifier (bench timing on one text)
+
+
+def _reference_engine(model, tree="chain3"):
+    from draftheads.inference.engine import Engine, EngineConfig
+    from draftheads.inference.proposers.random_draft import RandomProposer
+
+    return Engine(model, proposer=RandomProposer(model.config.vocab_size), tree=tree,
+                  config=EngineConfig(verifier="reference"))
+
+
+def test_reference_verifier_on_plain_text_is_plain_decoding(tiny_target):
+    from draftheads.inference.engine import Engine
+
+    model, prompt = tiny_target.model, [5, 6, 7]
+    params = SamplingParams(max_new_tokens=40, stop_at_eos=False)
+    (plain,) = Engine(model).generate([prompt], params)
+    engine = _reference_engine(model)
+    engine.verifier.texts = {tuple(prompt): plain.token_ids}
+    (out,) = engine.generate([prompt], params)
+    assert out.token_ids == plain.token_ids and engine.verifier.flips == 0
+
+
+def test_reference_verifier_follows_another_text_and_counts_the_flips(tiny_target):
+    from draftheads.inference.engine import Engine
+
+    model, prompt = tiny_target.model, [5, 6, 7]
+    params = SamplingParams(max_new_tokens=30, stop_at_eos=False)
+    (plain,) = Engine(model).generate([prompt], params)
+    text = list(plain.token_ids)
+    text[10] = (text[10] + 1) % model.config.vocab_size  # one token the target would not choose
+    engine = _reference_engine(model, tree="small")
+    engine.verifier.texts = {tuple(prompt): text}
+    (out,) = engine.generate([prompt], params)
+    assert out.token_ids == text and engine.verifier.flips >= 1
+    other = [8, 9]  # a prompt without a text decodes its own argmax
+    (own,) = engine.generate([other], params)
+    assert own.token_ids == Engine(model).generate([other], params)[0].token_ids
+
+
+def test_reference_verifier_refuses_sampling(tiny_target):
+    from draftheads.errors import DraftheadsError
+
+    engine = _reference_engine(tiny_target.model)
+    with pytest.raises(DraftheadsError, match="temperature 0"):
+        engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=1.0))
