@@ -43,3 +43,13 @@ def test_the_headline_follows_the_card(copy):
     card["eval"]["chain3"]["tau"] = 2.5
     (copy / CARD).write_text(json.dumps(card))
     assert report(copy) == [copy / "README.md"] and "| chain3 | 2.50 |" in (copy / "README.md").read_text()
+
+
+def test_a_topic_page_quotes_a_run_between_results_markers(copy):
+    run = RUNS[0].relative_to(ROOT)
+    page = copy / "docs/topic.md"
+    page.write_text(f"# Topic\n\n<!-- results: {run} -->\n| typed | 9.99x |\n<!-- /results -->\n\nAfter.\n")
+    assert report(copy) == [page]
+    text = page.read_text()
+    assert "9.99x" not in text and (copy / run).with_name("results.md").read_text() in text
+    assert text.endswith("<!-- /results -->\n\nAfter.\n") and report(copy, write=False) == []

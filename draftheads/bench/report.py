@@ -4,6 +4,8 @@
   ``results.md`` beside it, by that command's own renderer.
 * The README's headline table, between its ``headline`` markers, from the shipped head's ``card.json`` (written
   by the recipe's package and bench stages): τ per mode on the eval and the speedups side by side.
+* In any page under ``docs/``, between ``<!-- results: PATH -->`` and ``<!-- /results -->`` markers, the table of
+  the run whose JSON is at ``PATH`` (relative to the checkout), so a topic page quotes a run without typing it.
 
 ``--check`` renders without writing and fails on any difference, as the tests do: no number is typed by hand.
 """
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from draftheads.utils import atomic_write_text
@@ -18,6 +21,7 @@ from draftheads.utils import atomic_write_text
 CARD = Path("draftheads/data/heads/smollm2-135m-eagle3/card.json")
 """The shipped head's card, relative to the checkout."""
 START, END = "<!-- headline: `draftheads report` renders this table from {card} -->", "<!-- /headline -->"
+INCLUDE = re.compile(r"(<!-- results: (\S+) -->\n)(.*?)(<!-- /results -->)", re.S)
 
 
 def render_results(res: dict) -> str:
@@ -55,12 +59,26 @@ def render_readme(text: str, card: dict, card_path: Path) -> str:
     return f"{before}{start}\n{headline(card, card_path)}\n{END}{after}"
 
 
+def render_includes(text: str, root: Path) -> str:
+    """``text`` with the table between each pair of results markers rendered again from the JSON it names."""
+    def table(m: re.Match) -> str:
+        body = render_results(json.loads((root / m.group(2)).read_text()))
+        return f"{m.group(1)}{body}{m.group(4)}"
+
+    return INCLUDE.sub(table, text)
+
+
 def report(root: Path, write: bool = True) -> list[Path]:
     """Render every table under ``root`` (a checkout); returns the files whose text differs from the render
     (written when ``write``)."""
     out = {}
     for res in sorted((root / "docs/results").rglob("results.json")):
         out[res.with_name("results.md")] = render_results(json.loads(res.read_text()))
+    for page in sorted((root / "docs").rglob("*.md")):
+        if page.name != "results.md" and page not in out:
+            text = page.read_text()
+            if INCLUDE.search(text):
+                out[page] = render_includes(text, root)
     card = root / CARD
     if card.is_file():
         readme = root / "README.md"

@@ -33,6 +33,13 @@ A step, for a batch of ``B`` rows:
 4. **Keeping the cost model current**: a plain step is run when plain decoding's own point on the curve
    is missing, or every ``plain_every`` steps of a batch size.
 
+**Selection bias.** Choosing the nodes whose estimated values are highest picks, among nodes of equal worth,
+those whose estimates happen to run high, so the chosen trees accept less than their values sum to (the
+winner's curse; more so where the acceptance cells hold few observations). Per batch size the policy keeps
+the decayed accepted tokens of the chosen trees against what their values predicted, and scales the values
+it chooses and grows by by that ratio (``bias``), so the predicted tokens of the trees chosen match the
+measured, and a tree is not grown for tokens it will not get.
+
 The expected tokens of a chosen tree are predicted before it is verified (``report``: predicted against
 measured tokens per step, and the sizes chosen).
 """
@@ -70,6 +77,7 @@ class StepPlan:
     spec: TreeSpec | None
     grow: Grow | None = None
     predicted: float = 0.0  # expected tokens of the trees chosen (filled by select)
+    raw: float = 0.0  # expected accepted tokens before the selection-bias scale (filled by select)
     pools: dict[int, Tree] = field(default_factory=dict)  # request id -> its drafted pool (filled by select)
 
 
@@ -109,7 +117,7 @@ class Grow:
         self.values = values if self.values is None else torch.cat([self.values, values], 1)
         # per row, the chance that the walk reaches this depth on one of its best top_k nodes
         best = torch.topk(values, min(self.top_k, values.shape[1]), dim=1).values
-        reach = best.sum(1).clamp(max=1.0).tolist()
+        reach = (best.sum(1) * pol.scale(self.batch)).clamp(max=1.0).tolist()
         self.expected += sum(reach)
         self.longest = max(self.longest, max(reach) * depth)  # a walk of a row that reaches this depth
         self.nodes += len(self.rows) * best.shape[1]
@@ -145,10 +153,13 @@ class AutoPolicy:
     max_wait: int = 32
     plain_every: int = 64
     walk_decay: float = 0.95
+    bias_decay: float = 0.98
+    bias_weight: float = 4.0  # pseudo accepted tokens of an unbiased start
     last_wait: int = 0  # the last wait of the last request to finish (a new request's first, if it loses)
     last_plain: dict[int, int] = field(default_factory=dict)  # batch key -> engine step of its last plain step
     walk: dict[int, list[float]] = field(default_factory=dict)  # batch key -> [decayed seconds, decayed levels]
     stats: dict[int, dict[str, float]] = field(default_factory=dict)  # batch key -> report counters
+    bias: dict[int, list[float]] = field(default_factory=dict)  # batch key -> [decayed accepted, decayed predicted]
 
     @classmethod
     def for_proposer(cls, proposer) -> AutoPolicy:
@@ -171,6 +182,11 @@ class AutoPolicy:
         t = self.curve.optimistic(tokens)
         return 1.0 if t is None else t
 
+    def scale(self, batch: int) -> float:
+        """Accepted over predicted tokens of the trees chosen at this batch size (see selection bias)."""
+        got, want = self.bias.get(grid_key(batch), (0.0, 0.0))
+        return min(max((got + self.bias_weight) / (want + self.bias_weight), 0.25), 2.0)
+
     def plan(self, live: list[RequestState], step: int) -> StepPlan:
         """Which rows draft this step (none: a plain step)."""
         b = len(live)
@@ -188,7 +204,8 @@ class AutoPolicy:
         """Every live row's tree to verify: the best nodes of the drafted ``pools`` (one per drafting row)
         across the batch, as many as pay (the root alone for rows that did not draft)."""
         b = len(live)
-        values = {st.rid: self.acceptance.values(st.rid, t) for st, t in zip(plan.drafting, pools)}
+        f = self.scale(b)
+        values = {st.rid: [v * f for v in self.acceptance.values(st.rid, t)] for st, t in zip(plan.drafting, pools)}
         pool_of = plan.pools = {st.rid: t for st, t in zip(plan.drafting, pools)}
         cands = []  # (value, score, depth, row id, node)
         for st, t in zip(plan.drafting, pools):
@@ -218,6 +235,7 @@ class AutoPolicy:
                 i = max(range(1, len(pool_of[st.rid])), key=lambda j: (values[st.rid][j], -j))
                 keep[st.rid] = _with_ancestors(pool_of[st.rid], i)
         plan.predicted = b + sum(values[rid][i] for rid, nodes in keep.items() for i in nodes)
+        plan.raw = (plan.predicted - b) / f
         return [prune(pool_of[st.rid], keep[st.rid]) if st.rid in keep else Tree([st.root], [-1]) for st in live]
 
     def walk_time(self, batch: int) -> float:
@@ -255,6 +273,9 @@ class AutoPolicy:
         s["drafted"] += 1
         s["predicted"] += plan.predicted
         s["measured"] += b + sum(accepted)
+        bias = self.bias.setdefault(key, [0.0, 0.0])
+        bias[0] = bias[0] * self.bias_decay + sum(accepted)
+        bias[1] = bias[1] * self.bias_decay + plan.raw
         s["tokens"] += q
         plain = self.verify_time(b) + self.walk_time(b)
         beyond = max(forward_seconds + walk_seconds - plain, 0.0)

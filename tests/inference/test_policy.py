@@ -163,6 +163,38 @@ def test_the_chosen_trees_are_the_brute_force_optimum(seed):
     assert len(got) == 2 and rate(kept) == pytest.approx(best)
 
 
+def test_values_that_run_high_are_scaled_to_what_the_chosen_trees_accept(monkeypatch):
+    """An acceptance model that values every node of a chain at twice its chance of being accepted (the
+    chance 0.5 x 0.9 ** depth; its value 0.9 ** depth): the policy scales the values it chooses by to what
+    its trees accept, so its predictions come to match the outcome and it verifies fewer nodes."""
+    pol = AutoPolicy(TreeSpec(depth=4, top_k=1, total_tokens=5), bias_decay=0.995)
+    pol.curve.seed({n: 1000 * (1 + 0.35 * (n - 1)) for n in (1, 2, 4, 8)})
+    monkeypatch.setattr(pol.acceptance, "values", lambda rid, t: [0.9 ** d for d in depths(t.parents)])
+    monkeypatch.setattr(pol.acceptance, "observe", lambda *a: None)
+    st = _state()
+    pol.start(st)
+    pool = Tree([0, 1, 2, 3, 4], chain_parents(4), scores=[0.0, -0.1, -0.2, -0.3, -0.4])
+    rng = random.Random(0)
+    sizes = []
+    for step in range(600):
+        plan = StepPlan([st], pol.pool)
+        st.gate.probing = False
+        (tree,) = pol.select([st], plan, [pool], 0.0)
+        sizes.append(len(tree))
+        accepted = 0
+        if len(tree) > 1 and rng.random() < 0.45:  # depth 1 with 0.5 x 0.9, each further depth with 0.9
+            accepted = 1
+            while accepted < len(tree) - 1 and rng.random() < 0.9:
+                accepted += 1
+        pol.update([st], plan, [tree], [[*tree.tokens[1:1 + accepted], 99]], 0.0, 1.0, 0.0, step)
+    assert pol.scale(1) == pytest.approx(0.5, abs=0.1)
+    plan = StepPlan([st], pol.pool)
+    (tree,) = pol.select([st], plan, [pool], 0.0)
+    expected = sum(0.5 * 0.9 ** d for d in range(1, len(tree)))  # what the chosen chain accepts on average
+    assert plan.predicted - 1 == pytest.approx(expected, rel=0.2)
+    assert 1 < len(tree) < sizes[0] == 5
+
+
 # ----------------------------------------------------------------------------- in the engine
 
 
