@@ -126,7 +126,7 @@ def proposer_speeds(target, proposers: dict, prompts: list[list[int]], n: int, p
 
 
 def same_text(base: list[Run], runs: list[Run]) -> dict:
-    """How far a method's outputs agree with plain decoding's, prompt by prompt: ``one_text`` prompts of
+    """How far a method's outputs agree with plain decoding's, prompt by prompt: ``same_text`` prompts of
     ``prompts`` identical, and the mean share of each output before its first differing token. Greedy
     speculation is exact, but in reduced precision the target's argmax may flip between near-tied tokens
     with the shape of the verify forward, and from there each method decodes (and is timed on) its own
