@@ -75,7 +75,7 @@ def report(root: Path, write: bool = True) -> list[Path]:
     for res in sorted((root / "docs/results").rglob("results.json")):
         out[res.with_name("results.md")] = render_results(json.loads(res.read_text()))
     for page in sorted((root / "docs").rglob("*.md")):
-        if page.name != "results.md" and page not in out:
+        if page.name != "results.md":
             text = page.read_text()
             if INCLUDE.search(text):
                 out[page] = render_includes(text, root)

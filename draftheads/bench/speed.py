@@ -70,12 +70,11 @@ def _engines(target, proposers: dict, one_text: bool, plain: tuple[str, ...]) ->
     return engines
 
 
-def _follow(target, engines: dict, prompts: list[list[int]], params: SamplingParams) -> None:
-    """Decode plain decoding's batch-1 text of every prompt, for every engine with the reference verifier
-    to follow."""
-    plain = Engine(target.model, target.tokenizer, None)
-    texts = {tuple(p): plain.generate([p], params)[0].token_ids for p in dict.fromkeys(map(tuple, prompts))}
-    for e in engines.values():
+def _follow(plain: Engine, engines, prompts: list[list[int]], params: SamplingParams) -> None:
+    """Decode plain decoding's batch-1 text of every prompt with ``plain`` (before any text is set, it decodes
+    its own argmax), for every engine with the reference verifier to follow."""
+    texts = {p: plain.generate([list(p)], params)[0].token_ids for p in dict.fromkeys(map(tuple, prompts))}
+    for e in engines:
         if e.verifier.name == "reference":
             e.verifier.texts = texts
 
@@ -92,7 +91,7 @@ def proposer_speeds(target, proposers: dict, prompts: list[list[int]], n: int, p
     warm_up(engines.values(), prompts[0])
     if one_text:
         progress("proposers: decoding plain decoding's text to follow")
-        _follow(target, engines, prompts, params)
+        _follow(engines["plain"], engines.values(), prompts, params)
     _hf_generate(model, prompts[0][:8], 2)
 
     def hf(prompt_lookup):
@@ -177,7 +176,7 @@ def batch_sweep(target, proposers: dict, prompts: list[list[int]], n: int, batch
     plain = engines.pop("plain")
     warm_up([plain, *engines.values()], prompts[0])
     if one_text:
-        _follow(target, {"plain": plain, **engines}, prompts[: max(batches)], params)
+        _follow(plain, [plain, *engines.values()], prompts[: max(batches)], params)
     out: dict = {name: {} for name in engines}
     for b in batches:
         rows = [prompts[i % len(prompts)] for i in range(b)]

@@ -77,7 +77,6 @@ class StepPlan:
     spec: TreeSpec | None
     grow: Grow | None = None
     predicted: float = 0.0  # expected tokens of the trees chosen (filled by select)
-    raw: float = 0.0  # expected accepted tokens before the selection-bias scale (filled by select)
     pools: dict[int, Tree] = field(default_factory=dict)  # request id -> its drafted pool (filled by select)
 
 
@@ -235,7 +234,6 @@ class AutoPolicy:
                 i = max(range(1, len(pool_of[st.rid])), key=lambda j: (values[st.rid][j], -j))
                 keep[st.rid] = _with_ancestors(pool_of[st.rid], i)
         plan.predicted = b + sum(values[rid][i] for rid, nodes in keep.items() for i in nodes)
-        plan.raw = (plan.predicted - b) / f
         return [prune(pool_of[st.rid], keep[st.rid]) if st.rid in keep else Tree([st.root], [-1]) for st in live]
 
     def walk_time(self, batch: int) -> float:
@@ -273,9 +271,10 @@ class AutoPolicy:
         s["drafted"] += 1
         s["predicted"] += plan.predicted
         s["measured"] += b + sum(accepted)
+        unscaled = (plan.predicted - b) / self.scale(b)  # what the values predicted before select scaled them
         bias = self.bias.setdefault(key, [0.0, 0.0])
         bias[0] = bias[0] * self.bias_decay + sum(accepted)
-        bias[1] = bias[1] * self.bias_decay + plan.raw
+        bias[1] = bias[1] * self.bias_decay + unscaled
         s["tokens"] += q
         plain = self.verify_time(b) + self.walk_time(b)
         beyond = max(forward_seconds + walk_seconds - plain, 0.0)
