@@ -8,6 +8,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Annotated
 
 from draftheads.errors import DraftheadsError
@@ -366,6 +367,66 @@ def eval_(out: str, target: TargetOptions, sampling: SamplingOptions, command_li
     return 0
 
 
+def walk(out: str, target: TargetOptions, command_line: CommandLine,
+         drafter: DrafterOptions = DrafterOptions(tree=("chain3", "small", "medium")),
+         prompts: tuple[str, ...] = ("bundled:eval",), max_new_tokens: Positive = 128,
+         limit_per_domain: PositiveOrNone = None, batch_size: Positive = 16) -> int:
+    """Walked tau: the eval's greedy tau and alpha per mode and domain, from the head's drafts replayed
+    along the target's greedy answers (one target forward per answer, no timed decoding).
+
+    Args:
+        out: results directory (results.json, results.md)
+        prompts: prompt files or bundled:eval (as draftheads eval takes them)
+        max_new_tokens: tokens per answer
+        limit_per_domain: at most this many prompts per domain
+        batch_size: answers decoded, and walked, together
+    """
+    from draftheads import evaluation
+    from draftheads.inference import replay
+    from draftheads.inference.build import check_drafter, make_proposer
+    from draftheads.inference.tree import parse_tree
+    from draftheads.prompts import check_unique_ids, load_prompts
+    from draftheads.utils import atomic_write_json, atomic_write_text, check_writable_dir
+
+    if not drafter.head and not drafter.proposer:
+        raise DraftheadsError("draftheads walk needs --head DIR or --proposer ngram")
+    if "auto" in drafter.tree:
+        raise DraftheadsError("--tree auto cannot be walked (what it drafts depends on step times): "
+                              "give fixed modes, e.g. --tree chain3,small,medium")
+    specs = {m: parse_tree(m) for m in drafter.tree}
+    check_writable_dir(out)
+    head = check_drafter(drafter.head, drafter.proposer)
+    rows = [p for f in prompts for p in load_prompts(f, limit_per_domain=limit_per_domain)]
+    check_unique_ids(rows)
+    model = target.load()
+    proposer = make_proposer(model, head, drafter.proposer)
+    for spec in specs.values():
+        proposer.check_tree(spec)
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    t0 = time.perf_counter()
+    texts = replay.greedy_texts(model, rows, max_new_tokens, batch_size)
+    hidden = replay.capture(model.model, texts, proposer.layer_ids)
+    seconds = {"texts": time.perf_counter() - t0}
+    say(f"walk: {len(texts)} greedy answers and their hidden states in {seconds['texts']:.0f} s")
+    res = {"command": command_line, "target": target.target, "head": drafter.head, "proposer": proposer.name,
+           "dtype": target.dtype, "max_new_tokens": max_new_tokens, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "machine": evaluation.machine(), "seconds": seconds, "modes": {}}
+    for mode, spec in specs.items():
+        t0 = time.perf_counter()
+        metrics = replay.walk(proposer, texts, hidden, spec, rows=batch_size)
+        seconds[mode] = time.perf_counter() - t0
+        res["modes"][mode] = replay.summary(texts, metrics)
+        say(f"walk: {mode}: tau {res['modes'][mode]['overall']['tau']:.3f} in {seconds[mode]:.0f} s")
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path / "results.json", res)
+    text = replay.markdown(res)
+    atomic_write_text(path / "results.md", text)
+    print(text)
+    print(f"wrote {path / 'results.json'}, {path / 'results.md'}")
+    return 0
+
+
 def bench(out: str, target: TargetOptions, command_line: CommandLine,
           heads: Annotated[dict[str, str] | None, Flag(choices="draftheads.heads:FAMILIES")] = None,
           tree: Annotated[tuple[str, ...], Flag(sep=",")] = ("auto",), prompts: str = "bundled:eval",
@@ -533,7 +594,7 @@ def recipe(action: Annotated[str, Flag(positional=True, choices="draftheads.reci
 
 COMMANDS = {"info": info, "generate": generate, "distill": distill, "synthesize": synthesize,
             "cache-features": cache_features, "profile": profile, "export": export, "import": import_,
-            "eval": eval_, "bench": bench, "serve-check": serve_check, "report": report, "recipe": recipe}
+            "eval": eval_, "walk": walk, "bench": bench, "serve-check": serve_check, "report": report, "recipe": recipe}
 """Subcommand name -> its function; the function's signature is its flags."""
 
 

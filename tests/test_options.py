@@ -69,7 +69,7 @@ def test_shared_groups_read_the_same_in_every_subcommand(capsys):
                 title = group.__doc__.strip().splitlines()[0]
                 sections.setdefault(title, set()).add(_section(text, title))
                 users.setdefault(title, []).append(command)
-    assert len(users["the target model"]) == 9 and len(users["sampling (temperature 0 is greedy: token-identical "
+    assert len(users["the target model"]) == 10 and len(users["sampling (temperature 0 is greedy: token-identical "
                                                                 "to plain decoding)"]) == 4
     for title, seen in sections.items():
         assert len(seen) == 1, (title, users[title], seen)

@@ -6,7 +6,10 @@ Both are optimistic where they have not measured: a forward over more query toke
 costs the largest one measured plus what each token cost between the two largest (the curve is flat
 while reading the weights dominates, then grows at least as fast as it did), and one more draft depth
 at least a quarter of the first. So a larger
-tree or a deeper draft is tried once before it is ruled out, and then it is known.
+tree or a deeper draft is tried once before it is ruled out, and then it is known. The optimism has a
+reach: a step verifies at most twice the query tokens of the largest size measured (:meth:`CostCurve.reach`),
+so sizes are explored by doubling, not with one forward over hundreds of tokens whose cost is a
+straight line drawn from a few small ones.
 
 The machine's speed drifts (plain decoding here went from 22 to 14 tok/s within an hour), and a size
 measured long ago would be judged by another speed. Every measurement moves one drift factor by its
@@ -37,7 +40,7 @@ class CostCurve:
 
     drift_rate: float = 0.1
     min_rate: float = 0.05  # a point's mean moves at least this share of the way to each measurement
-    explore: float = 0.3
+    explore: float = 0.1
     seed_count: int = 20  # a profiled point counts as this many measurements
     points: dict[int, list[float]] = field(default_factory=dict)  # grid key -> [seconds / drift, count]
     drift: float = 1.0
@@ -117,6 +120,10 @@ class CostCurve:
                 t = t0 + (t1 - t0) * (q - n0) / (n1 - n0)
             out.append(t * self.drift)
         return out
+
+    def reach(self) -> int | None:
+        """The most query tokens a step may verify: twice the largest size measured (None before any)."""
+        return 2 * max((n for n, (_, count) in self.points.items() if count > 0), default=0) or None
 
     def weight(self, tokens: int) -> float:
         """How many measurements the point of ``tokens`` holds."""

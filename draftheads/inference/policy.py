@@ -14,12 +14,17 @@ A step, for a batch of ``B`` rows:
 
 1. **Who drafts.** A row drafts unless its gate is shut. Each drafted step credits the row with the
    seconds its accepted tokens saved (accepted tokens times plain decoding's seconds per token) and
-   charges it its share of the draft and of the verify forward beyond plain; when the decayed mean of
-   the credit falls below that of the charge, the row decodes plainly and probes again after a wait
+   charges it its share of the draft (as the draft cost model has it: a request's first draft also
+   reads its prompt, once) and of the verify forward beyond plain; when the decayed mean of
+   the credit falls below that of the charge, and so do the seconds the acceptance model, having seen
+   this step, expects the row's tree to save (one unlucky step of a good drafter does not shut it; a
+   drafter the model believes in no longer does), the row decodes plainly and probes again after a wait
    that doubles on every losing probe, up to ``max_wait`` steps: a request whose drafts turn good
    finds out within that bound. A new request drafts at once; should that probe lose, it waits as
    long as the last finished request last waited, not one step, so a drafter that did not pay on the
-   requests before costs a new one a probe or two rather than one every few steps.
+   requests before costs a new one a probe or two rather than one every few steps. A row drafts only
+   while it can take a drafted token (more than one token to go), and no node deeper than it can take
+   is valued.
 2. **How deep** (:class:`Grow`, proposers that draft depth by depth): after each depth, the chance
    that the walk reaches it (the values of its best ``top_k`` nodes, each its parent's times its own)
    times the chance that it goes on one further is what one more depth returns; the draft goes deeper while that return per second of
@@ -30,8 +35,9 @@ A step, for a batch of ``B`` rows:
    seconds of 1 + the longest expected walk)``. So the
    tree's size and shape, per row, follow the draft's confidence and what tokens cost here, not a preset.
    A probing row keeps at least its best node, so that it is measured.
-4. **Keeping the cost model current**: a plain step is run when plain decoding's own point on the curve
-   is missing, or every ``plain_every`` steps of a batch size.
+4. **Keeping the cost model current**: a plain step is run before the curve has any point, and every
+   ``plain_every`` steps of a batch size (a batch size first seen is judged by the curve as it stands:
+   its plain forward is a query-token count like any other).
 
 **Selection bias.** Choosing the nodes whose estimated values are highest picks, among nodes of equal worth,
 those whose estimates happen to run high, so the chosen trees accept less than their values sum to (the
@@ -121,6 +127,9 @@ class Grow:
         self.longest = max(self.longest, max(reach) * depth)  # a walk of a row that reaches this depth
         self.nodes += len(self.rows) * best.shape[1]
         q, r = self.batch + self.nodes, len(self.rows)
+        limit = pol.curve.reach()
+        if limit is not None and self.batch + r * (depth + 1) > limit:  # a chain one deeper per row would not fit
+            return False
         t_v, plain, proj = pol.verify_time(q), pol.verify_time(self.batch), pol.walk_time(self.batch)
         d_now = pol.draft.estimate(r, depth, plain)
         rate = (self.batch + self.expected) / (d_now + t_v + proj * (1 + self.longest))
@@ -190,13 +199,13 @@ class AutoPolicy:
         """Which rows draft this step (none: a plain step)."""
         b = len(live)
         key = grid_key(b)
-        stale = step - self.last_plain.get(key, -self.plain_every) >= self.plain_every
-        if stale or not self.curve.weight(b):
+        stale = step - self.last_plain.setdefault(key, step) >= self.plain_every  # a new batch size: not yet
+        if stale or not self.curve.points:
             return StepPlan([], None)
-        rows = [st for st in live if step >= st.gate.open_at]
+        rows = [st for st in live if step >= st.gate.open_at and _room(st) > 0]
         if not rows:
             return StepPlan([], None)
-        grow = Grow(self, rows, b, self.pool.top_k, self.pool.depth)
+        grow = Grow(self, rows, b, self.pool.top_k, min(self.pool.depth, max(map(_room, rows))))
         return StepPlan(rows, self.pool, grow)
 
     def select(self, live: list[RequestState], plan: StepPlan, pools: list[Tree], draft_seconds: float) -> list[Tree]:
@@ -204,16 +213,19 @@ class AutoPolicy:
         across the batch, as many as pay (the root alone for rows that did not draft)."""
         b = len(live)
         f = self.scale(b)
-        values = {st.rid: [v * f for v in self.acceptance.values(st.rid, t)] for st, t in zip(plan.drafting, pools)}
+        values, cands = {}, []  # cands: (value, score, depth, row id, node)
         pool_of = plan.pools = {st.rid: t for st, t in zip(plan.drafting, pools)}
-        cands = []  # (value, score, depth, row id, node)
         for st, t in zip(plan.drafting, pools):
-            d = depths(t.parents)
+            d, room = depths(t.parents), _room(st)  # a node deeper than the tokens left to go is worth nothing
+            values[st.rid] = [v * f if d[i] <= room else 0.0 for i, v in enumerate(self.acceptance.values(st.rid, t))]
             sc = t.scores or [0.0] * len(t)
             cands.extend((values[st.rid][i], sc[i], d[i], st.rid, i) for i in range(1, len(t)))
         # equal values (one calibration cell) are ranked by the draft's own score, as EAGLE-2 ranks them; a
         # node's score is below its parent's, so a parent still comes first
         cands.sort(key=lambda c: (-c[0], -c[1], c[2], c[3], c[4]))
+        limit = self.curve.reach()
+        if limit is not None:  # no further than the curve's reach into sizes never measured
+            cands = cands[: max(limit - b, 0)]
         times = [1.0 if t is None else t for t in self.curve.table(b, b + len(cands))]
         proj = self.walk_time(b)
         # the walk projects one level of the batch per accepted depth: 1 + the longest expected walk
@@ -261,12 +273,14 @@ class AutoPolicy:
             self.last_plain[key] = step
         if not plan.drafting:
             return
-        grow = plan.grow
-        for d, t in (grow.times.items() if grow is not None else ()):
-            if d < max(grow.times):
-                self.draft.add(len(plan.drafting), d, t)
+        grow, r = plan.grow, len(plan.drafting)
         depth = max(grow.times) if grow is not None and grow.times else plan.spec.depth
-        self.draft.add(len(plan.drafting), depth, draft_seconds)
+        # a request's first draft also reads its prompt (the proposer catches up once): not a step's cost
+        if all(st.gate.saved is not None for st in plan.drafting):
+            for d, t in (grow.times.items() if grow is not None else ()):
+                if d < depth:
+                    self.draft.add(r, d, t)
+            self.draft.add(r, depth, draft_seconds)
         drafted = q - b
         s["drafted"] += 1
         s["predicted"] += plan.predicted
@@ -278,6 +292,7 @@ class AutoPolicy:
         s["tokens"] += q
         plain = self.verify_time(b) + self.walk_time(b)
         beyond = max(forward_seconds + walk_seconds - plain, 0.0)
+        share = self.draft.estimate(r, depth, plain) / r  # a row's share of a step's draft, as modelled
         drafting = {st.rid for st in plan.drafting}
         for st, t, em, acc in zip(live, trees, emitted, accepted):
             if st.rid not in drafting:
@@ -286,15 +301,16 @@ class AutoPolicy:
             drawn = pool.draft_probs is not None and any(q is not None for q in pool.draft_probs[1:])
             self.acceptance.observe(st.rid, t if drawn else pool, em)  # sampled drafts: only those verified
             saved = acc * plain / b
-            spent = draft_seconds / len(plan.drafting) + (beyond * (len(t) - 1) / drafted if drafted else 0.0)
-            self._gate(st.gate, saved, spent, step)
+            spent = share + (beyond * (len(t) - 1) / drafted if drafted else 0.0)
+            expected = sum(self.acceptance.values(st.rid, t)[1:]) * self.scale(b)  # believed after this step
+            self._gate(st.gate, saved, spent, expected * plain / b, step)
 
-    def _gate(self, g: RowGate, saved: float, spent: float, step: int) -> None:
+    def _gate(self, g: RowGate, saved: float, spent: float, likely: float, step: int) -> None:
         first = g.saved is None or g.probing
         g.saved = saved if first else self.ema * saved + (1 - self.ema) * g.saved
         g.spent = spent if first else self.ema * spent + (1 - self.ema) * g.spent
         g.probing = False
-        if g.saved < g.spent:
+        if g.saved < g.spent and likely < g.spent:
             g.wait = min(max(2 * g.wait, self.min_wait), self.max_wait)
             g.open_at = step + 1 + g.wait
             g.probing = True
@@ -312,6 +328,11 @@ class AutoPolicy:
                         "predicted_tokens_per_step": s["predicted"] / d if d else 0.0,
                         "measured_tokens_per_step": s["measured"] / d if d else 0.0}
         return out
+
+
+def _room(st: RequestState) -> int:
+    """How many drafted tokens a request can still take: those left to go but the bonus token."""
+    return st.params.max_new_tokens - len(st.generated) - 1
 
 
 def _with_ancestors(tree: Tree, node: int) -> set[int]:
