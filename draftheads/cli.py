@@ -408,8 +408,8 @@ def walk(out: str, target: TargetOptions, command_line: CommandLine,
     hidden = replay.capture(model.model, texts, proposer.layer_ids)
     seconds = {"texts": time.perf_counter() - t0}
     say(f"walk: {len(texts)} greedy answers and their hidden states in {seconds['texts']:.0f} s")
-    res = {"command": command_line, "target": target.target, "head": drafter.head, "proposer": proposer.name,
-           "dtype": target.dtype, "max_new_tokens": max_new_tokens, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    res = {"kind": "walk", "command": command_line, "target": target.target, "head": drafter.head,
+           "proposer": proposer.name, "dtype": target.dtype, "max_new_tokens": max_new_tokens, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "machine": evaluation.machine(), "seconds": seconds, "modes": {}}
     for mode, spec in specs.items():
         t0 = time.perf_counter()

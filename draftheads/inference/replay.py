@@ -78,6 +78,35 @@ def capture(model, texts: list[WalkText], layer_ids) -> list[dict[int, torch.Ten
     return out
 
 
+def row_texts(batch: dict, feats: dict[int, torch.Tensor], limit: int, most: int
+              ) -> tuple[list[WalkText], list[dict[int, torch.Tensor]]]:
+    """The answers of packed training rows (each run of loss-mask tokens within a document) as texts to
+    walk over their first ``limit`` tokens, with the hidden states of their document up to the answer's
+    end (``feats``: {id: [B, T, H]} over the rows): at most ``most``. The answer is the data's, the target's
+    own when it was distilled at T = 0 (a token where the data differs from the target's argmax is one the
+    engine would not have walked to, and no draft is accepted across it)."""
+    texts, hidden = [], []
+    ids, mask, docs = (batch[k].tolist() for k in ("input_ids", "loss_mask", "doc_ids"))
+    for r in range(len(ids)):
+        start = 0
+        for t in range(1, len(ids[r]) + 1):
+            if t < len(ids[r]) and docs[r][t] == docs[r][start]:
+                continue
+            if docs[r][start] >= 0:  # one document: rows [start, t)
+                run = None
+                for u in range(start, t + 1):
+                    on = u < t and mask[r][u]
+                    if on and run is None:
+                        run = u
+                    elif not on and run is not None:
+                        if run > start and len(texts) < most:
+                            texts.append(WalkText(ids[r][start:run], ids[r][run:u], min(limit, u - run)))
+                            hidden.append({i: f[r, start:u] for i, f in feats.items()})
+                        run = None
+            start = t
+    return texts, hidden
+
+
 def walk(proposer: Proposer, texts: list[WalkText], hidden: list[dict[int, torch.Tensor]], tree: TreeSpec,
          rows: int = 16) -> list[SpecMetrics]:
     """Per text, the metrics of drafting ``tree`` with ``proposer`` along it (``rows`` texts at a time, as

@@ -3,7 +3,7 @@ import torch
 
 from draftheads.inference.engine import Engine
 from draftheads.inference.proposers.eagle3 import Eagle3Proposer
-from draftheads.inference.replay import WalkText, capture, walk
+from draftheads.inference.replay import WalkText, capture, row_texts, walk
 from draftheads.inference.sampling import SamplingParams
 from draftheads.inference.tree import Tree, chain_parents, parse_tree
 from draftheads.metrics import SpecMetrics
@@ -67,3 +67,22 @@ def test_the_walk_of_an_eagle3_head_is_the_engines_eval(tiny_target, mode):
     for a, b in zip(got, want):
         _same(a, b)
     assert sum(m.drafts for m in got) > len(PROMPTS) and sum(m.accepted for m in got) > 0
+
+
+def test_row_texts_are_the_answers_of_each_document_with_their_hidden_states():
+    # two rows: row 0 packs doc 0 (prompt 3, answer 3, prompt 1, answer 2) and doc 1 (prompt 2, answer 2); row 1
+    # holds doc 2 (an answer at its first token, which has no prompt to draft from) and padding
+    ids = torch.arange(100, 124).view(2, 12)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 0, 1, 1, 0, 0, 1], [1, 1, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0]])
+    docs = torch.tensor([[0] * 9 + [1] * 3, [2] * 7 + [-1] * 5])
+    feats = {3: torch.arange(24.0).view(2, 12, 1)}
+    batch = {"input_ids": ids, "loss_mask": mask, "doc_ids": docs}
+    texts, hidden = row_texts(batch, feats, limit=2, most=10)
+    got = [(t.prompt, t.answer, t.limit) for t in texts]
+    assert got == [([100, 101, 102], [103, 104, 105], 2),
+                   ([100, 101, 102, 103, 104, 105, 106], [107, 108], 2),
+                   ([109, 110], [111], 1),
+                   ([112, 113, 114, 115], [116, 117, 118], 2)]
+    assert [h[3].flatten().tolist() for h in hidden][1] == [float(x) for x in range(9)]
+    assert [h[3].flatten().tolist() for h in hidden][3] == [float(x) for x in range(12, 19)]
+    assert len(row_texts(batch, feats, limit=2, most=2)[0]) == 2

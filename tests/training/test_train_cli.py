@@ -84,6 +84,8 @@ def test_interrupted_and_resumed_equals_uninterrupted(workdir, model, extra):
     assert len(meta["val_accuracies"]) >= 1
     assert meta["val_answer_window"] == 128  # the default: accuracies over each answer's first 128 tokens too
     assert len(meta["val_window_accuracies"]) == len(meta["val_accuracies"])
+    # the default walked mode, chain3: the engine's drafting replayed along validation answers
+    assert set(meta["val_walk_tau"]) == {"chain3"} and 1.0 <= meta["val_walk_tau"]["chain3"] <= 4.0
 
 
 def test_resumed_mid_epoch_goes_on_with_the_rows_it_had_not_reached(workdir):
