@@ -50,14 +50,6 @@ def state_dict_without(module: torch.nn.Module, child: str, state_dict, *args, *
         module.__dict__["_modules"] = modules
 
 
-def _sharded(module: L.LightningModule) -> bool:
-    """Whether the module trains under FSDP (its head's weights sharded: no walk outside its forward)."""
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    trainer = getattr(module, "_trainer", None)
-    return trainer is not None and isinstance(trainer.strategy, FSDPStrategy)
-
-
 def warmup_cosine(step: int, total: int, warmup_ratio: float, floor: float) -> float:
     """Learning-rate factor: linear warmup over ``warmup_ratio`` of ``total`` steps, then cosine to ``floor``."""
     warm = int(round(warmup_ratio * total))
@@ -86,8 +78,6 @@ class DraftHeadModule(L.LightningModule):
         loss_impl: str = "auto",
         loss_chunk_size: int = 1024,
         val_answer_window: int = 128,
-        val_walk: tuple[str, ...] = ("chain3",),
-        val_walk_answers: int = 32,
         trust_remote_code: bool = False,
     ):
         """
@@ -113,11 +103,6 @@ class DraftHeadModule(L.LightningModule):
                 each answer, the part a ``--max-new-tokens`` evaluation of that length drafts for (long
                 answers end in repetitive text a draft predicts easily, which lifts the overall figure);
                 0 turns it off.
-            val_walk: modes (chainK or a tree) whose walked τ validation reports: the engine's drafting
-                replayed along the first ``val_walk_answers`` validation answers (over each one's first
-                ``val_answer_window`` tokens, 128 when that is 0), the number ``draftheads walk`` gives on
-                the eval's prompts; empty turns it off.
-            val_walk_answers: validation answers walked.
             trust_remote_code: allow custom modeling code for hub targets.
         """
         super().__init__()
@@ -134,15 +119,6 @@ class DraftHeadModule(L.LightningModule):
                                   "$CXX, g++, c++, clang++ found): install one, or use model.loss_impl: chunked")
         if val_answer_window < 0:
             raise DraftheadsError(f"model.val_answer_window={val_answer_window} must be >= 0 (0: off)")
-        if val_walk_answers < 1:
-            raise DraftheadsError(f"model.val_walk_answers={val_walk_answers} must be >= 1 (val_walk: [] turns it off)")
-        if val_walk:
-            from draftheads.options import check_modes
-
-            if "auto" in val_walk:
-                raise DraftheadsError("model.val_walk cannot hold auto (what it drafts depends on step times): "
-                                      "use chainK or a tree name")
-            check_modes(tuple(val_walk), flag="model.val_walk")
         if head_dir:  # checked now, not after the training it would end
             check_output_dir(head_dir, "head", names=HEAD_FILES, flag="model.head_dir",
                              fix="delete it first to replace it")
@@ -317,20 +293,6 @@ class DraftHeadModule(L.LightningModule):
     def on_validation_epoch_start(self):
         self._val_hits: list[list[float]] = []
         self._val_window_hits: list[list[float]] = []
-        self._walk_texts, self._walk_hidden = [], []
-        self._walker, self._walk_modes = None, []
-        if self.hparams.val_walk and self.target is not None and not _sharded(self):
-            from draftheads.inference.proposers import proposer_for
-            from draftheads.inference.tree import parse_tree
-
-            walker = proposer_for(self.head.head_type)(self.head, self.target)
-            for mode in self.hparams.val_walk:
-                try:
-                    walker.check_tree(parse_tree(mode))
-                    self._walk_modes.append(mode)
-                except DraftheadsError as e:
-                    log.warning("model.val_walk: %s is not walked: %s", mode, e)
-            self._walker = walker if self._walk_modes else None
 
     def validation_step(self, batch, batch_idx):
         loss, _, accs = self.compute_loss(batch)
@@ -339,31 +301,10 @@ class DraftHeadModule(L.LightningModule):
         if n := self.hparams.val_answer_window:
             windowed = {**batch, "loss_mask": answer_window(batch["loss_mask"], batch["doc_ids"], n)}
             self._val_window_hits.append(self.compute_loss(windowed)[2])
-        most = self.hparams.val_walk_answers - len(self._walk_texts)
-        if self._walker is not None and most > 0:
-            from draftheads.inference.replay import row_texts
-
-            texts, hidden = row_texts(batch, self.features(batch, list(self._walker.layer_ids)),
-                                      self.hparams.val_answer_window or 128, most)
-            self._walk_texts += texts
-            self._walk_hidden += hidden
 
     def on_validation_epoch_end(self):
         if not self._val_hits:
             return
-        if self._walk_texts:
-            from draftheads.inference.replay import walk
-            from draftheads.inference.tree import parse_tree
-            from draftheads.metrics import SpecMetrics
-
-            self.last_val_walk = {}
-            for mode in self._walk_modes:
-                total = SpecMetrics()
-                for m in walk(self._walker, self._walk_texts, self._walk_hidden, parse_tree(mode)):
-                    total = total.merge(m)
-                self.last_val_walk[mode] = total.tau
-                self.log(f"val/walk_tau_{mode}", total.tau, prog_bar=True, sync_dist=True)
-            self._walk_texts, self._walk_hidden, self._walker = [], [], None
         means = _mean_per_step(self._val_hits)
         for j, m in enumerate(means):
             self.log(f"val/acc_{j + 1}", m, sync_dist=True)
@@ -420,7 +361,7 @@ class DraftHeadModule(L.LightningModule):
             if getattr(self, "last_val_accuracies", None):
                 extra["val_accuracies"] = self.last_val_accuracies
                 extra["val_sim_tau"] = simulated_tau(self.last_val_accuracies)
-            if getattr(self, "last_val_walk", None):
+            if getattr(self, "last_val_walk", None):  # set by the WalkedTau callback, when it walks
                 extra["val_walk_tau"] = self.last_val_walk
             if getattr(self, "last_val_window_accuracies", None):
                 extra["val_answer_window"] = self.hparams.val_answer_window
