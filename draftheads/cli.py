@@ -321,6 +321,23 @@ def import_(src: Annotated[str, Flag(positional=True)],
     return 0
 
 
+def _drafter_on_prompts(command: str, out: str, target: TargetOptions, drafter: DrafterOptions,
+                        prompts: tuple[str, ...], limit_per_domain: int | None):
+    """What eval and walk start from, checked before the target loads: (the target, its proposer, the prompts)."""
+    from draftheads.inference.build import check_drafter, make_proposer
+    from draftheads.prompts import check_unique_ids, load_prompts
+    from draftheads.utils import check_writable_dir
+
+    if not drafter.head and not drafter.proposer:
+        raise DraftheadsError(f"draftheads {command} needs --head DIR or --proposer ngram")
+    check_writable_dir(out)
+    head = check_drafter(drafter.head, drafter.proposer)
+    rows = [p for f in prompts for p in load_prompts(f, limit_per_domain=limit_per_domain)]
+    check_unique_ids(rows)
+    model = target.load()
+    return model, make_proposer(model, head, drafter.proposer), rows
+
+
 def eval_(out: str, target: TargetOptions, sampling: SamplingOptions, command_line: CommandLine,
           drafter: DrafterOptions = DrafterOptions(tree=("auto", "chain3")),
           prompts: tuple[str, ...] = ("bundled:eval",), max_new_tokens: Positive = 128, batch_size: Positive = 1,
@@ -337,19 +354,9 @@ def eval_(out: str, target: TargetOptions, sampling: SamplingOptions, command_li
         limit_per_domain: at most this many prompts per domain
     """
     from draftheads import evaluation
-    from draftheads.inference.build import check_drafter, make_proposer
-    from draftheads.prompts import check_unique_ids, load_prompts
-    from draftheads.utils import check_writable_dir
 
-    if not drafter.head and not drafter.proposer:
-        raise DraftheadsError("draftheads eval needs --head DIR or --proposer ngram")
     params = sampling.params(max_new_tokens)
-    check_writable_dir(out)
-    head = check_drafter(drafter.head, drafter.proposer)
-    rows = [p for f in prompts for p in load_prompts(f, limit_per_domain=limit_per_domain)]
-    check_unique_ids(rows)
-    model = target.load()
-    proposer = make_proposer(model, head, drafter.proposer)
+    model, proposer, rows = _drafter_on_prompts("eval", out, target, drafter, prompts, limit_per_domain)
     results = evaluation.evaluate(model, proposer, list(drafter.tree), rows, params, batch_size)
     meta = {"command": command_line, "target": target.target, "head": drafter.head, "proposer": proposer.name,
             "tree": list(drafter.tree), "temperature": sampling.temperature, "top_p": sampling.top_p,
@@ -383,23 +390,14 @@ def walk(out: str, target: TargetOptions, command_line: CommandLine,
     """
     from draftheads import evaluation
     from draftheads.inference import replay
-    from draftheads.inference.build import check_drafter, make_proposer
     from draftheads.inference.tree import parse_tree
-    from draftheads.prompts import check_unique_ids, load_prompts
-    from draftheads.utils import atomic_write_json, atomic_write_text, check_writable_dir
+    from draftheads.utils import atomic_write_json, atomic_write_text
 
-    if not drafter.head and not drafter.proposer:
-        raise DraftheadsError("draftheads walk needs --head DIR or --proposer ngram")
     if "auto" in drafter.tree:
         raise DraftheadsError("--tree auto cannot be walked (what it drafts depends on step times): "
                               "give fixed modes, e.g. --tree chain3,small,medium")
     specs = {m: parse_tree(m) for m in drafter.tree}
-    check_writable_dir(out)
-    head = check_drafter(drafter.head, drafter.proposer)
-    rows = [p for f in prompts for p in load_prompts(f, limit_per_domain=limit_per_domain)]
-    check_unique_ids(rows)
-    model = target.load()
-    proposer = make_proposer(model, head, drafter.proposer)
+    model, proposer, rows = _drafter_on_prompts("walk", out, target, drafter, prompts, limit_per_domain)
     for spec in specs.values():
         proposer.check_tree(spec)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731

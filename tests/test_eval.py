@@ -36,6 +36,25 @@ def test_eval_on_spec_bench_and_gsm8k_fixtures(tiny_llama_dir, tmp_path, capsys)
     assert "| chain3 | **overall** |" in md and "| chain5 | **overall** |" in md
 
 
+def test_walk_on_tiny_target_counts_what_eval_counts(tiny_llama_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "a", "domain": "chat", "turns": ["Say hi to the fox.", "Again."]},
+        {"id": "b", "domain": "qa", "turns": ["What is 1 plus 1?"]}]))
+    common = ["--target", str(tiny_llama_dir), "--proposer", "ngram", "--prompts", str(prompts),
+              "--max-new-tokens", "10", "--tree", "chain3,chain5"]
+    assert main(["walk", *common, "--batch-size", "2", "--out", str(tmp_path / "walk")]) == 0
+    assert main(["eval", *common, "--out", str(tmp_path / "eval")]) == 0
+    walk = json.loads((tmp_path / "walk" / "results.json").read_text())
+    ev = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert walk["kind"] == "walk" and walk["command"].startswith("draftheads walk")
+    for mode in ("chain3", "chain5"):
+        w, e = walk["modes"][mode], ev["modes"][mode]
+        assert w["overall"]["drafts"] == e["overall"]["drafts"] and w["overall"]["tau"] == e["overall"]["tau"]
+        assert {d: v["tau"] for d, v in w["domains"].items()} == {d: v["tau"] for d, v in e["domains"].items()}
+    assert "| chain5 |" in (tmp_path / "walk" / "results.md").read_text()
+
+
 def test_bench_parts_on_tiny_target(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "bench"
     prompts = tmp_path / "p.jsonl"

@@ -124,7 +124,8 @@ def walk(proposer: Proposer, texts: list[WalkText], hidden: list[dict[int, torch
                 text = texts[st.rid].prompt + texts[st.rid].answer
                 root = len(st.tokens) - 1  # the root's position in the text
                 n = _accepted(drafted, text, root)
-                st.metrics.record_draft(drafted.depth, n, draft_tokens=len(drafted) - 1)
+                if len(drafted) > 1:  # a step that drafted nothing is a plain step, as the engine counts it
+                    st.metrics.record_draft(drafted.depth, n, draft_tokens=len(drafted) - 1)
                 st.metrics.target_forwards += 1
                 st.tokens.extend(text[root + 1: root + 2 + n])
                 st.done = len(st.generated) >= st.params.max_new_tokens or len(st.tokens) >= len(text)
