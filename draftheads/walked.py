@@ -21,9 +21,8 @@ from lightning.pytorch.strategies import FSDPStrategy
 
 from draftheads.errors import DraftheadsError
 from draftheads.inference.proposers import proposer_for
-from draftheads.inference.replay import row_texts, walk
+from draftheads.inference.replay import row_texts, summary, walk
 from draftheads.inference.tree import parse_tree
-from draftheads.metrics import SpecMetrics
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +69,7 @@ class WalkedTau(L.Callback):
         if self.texts:
             pl_module.last_val_walk = {}
             for mode in self.modes:
-                total = SpecMetrics()
-                for m in walk(self.proposer, self.texts, self.hidden, self.specs[mode]):
-                    total = total.merge(m)
-                pl_module.last_val_walk[mode] = total.tau
-                pl_module.log(f"val/walk_tau_{mode}", total.tau, prog_bar=True, sync_dist=True)
+                tau = summary(self.texts, walk(self.proposer, self.texts, self.hidden, self.specs[mode]))["overall"]["tau"]
+                pl_module.last_val_walk[mode] = tau
+                pl_module.log(f"val/walk_tau_{mode}", tau, prog_bar=True, sync_dist=True)
         self._reset()

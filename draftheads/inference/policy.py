@@ -293,6 +293,7 @@ class AutoPolicy:
         plain = self.verify_time(b) + self.walk_time(b)
         beyond = max(forward_seconds + walk_seconds - plain, 0.0)
         share = self.draft.estimate(r, depth, plain) / r  # a row's share of a step's draft, as modelled
+        f = self.scale(b)
         drafting = {st.rid for st in plan.drafting}
         for st, t, em, acc in zip(live, trees, emitted, accepted):
             if st.rid not in drafting:
@@ -302,7 +303,7 @@ class AutoPolicy:
             self.acceptance.observe(st.rid, t if drawn else pool, em)  # sampled drafts: only those verified
             saved = acc * plain / b
             spent = share + (beyond * (len(t) - 1) / drafted if drafted else 0.0)
-            expected = sum(self.acceptance.values(st.rid, t)[1:]) * self.scale(b)  # believed after this step
+            expected = sum(self.acceptance.values(st.rid, t)[1:]) * f  # believed after this step
             self._gate(st.gate, saved, spent, expected * plain / b, step)
 
     def _gate(self, g: RowGate, saved: float, spent: float, likely: float, step: int) -> None:

@@ -18,6 +18,7 @@ replayed: what it drafts depends on the step times.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,8 @@ import torch
 from draftheads.inference.engine import Engine
 from draftheads.inference.proposers.base import Proposer, RequestState
 from draftheads.inference.sampling import SamplingParams
-from draftheads.inference.tree import Tree, TreeSpec
+from draftheads.inference.tree import Tree, TreeSpec, depths
+from draftheads.inference.verify import verify_greedy
 from draftheads.metrics import SpecMetrics
 
 
@@ -88,22 +90,15 @@ def row_texts(batch: dict, feats: dict[int, torch.Tensor], limit: int, most: int
     texts, hidden = [], []
     ids, mask, docs = (batch[k].tolist() for k in ("input_ids", "loss_mask", "doc_ids"))
     for r in range(len(ids)):
-        start = 0
-        for t in range(1, len(ids[r]) + 1):
-            if t < len(ids[r]) and docs[r][t] == docs[r][start]:
-                continue
-            if docs[r][start] >= 0:  # one document: rows [start, t)
-                run = None
-                for u in range(start, t + 1):
-                    on = u < t and mask[r][u]
-                    if on and run is None:
-                        run = u
-                    elif not on and run is not None:
-                        if run > start and len(texts) < most:
-                            texts.append(WalkText(ids[r][start:run], ids[r][run:u], min(limit, u - run)))
-                            hidden.append({i: f[r, start:u] for i, f in feats.items()})
-                        run = None
-            start = t
+        pos = start = 0  # the run's first position, and its document's
+        for (doc, on), run in itertools.groupby(zip(docs[r], mask[r])):
+            n = len(list(run))
+            if pos and doc != docs[r][pos - 1]:
+                start = pos
+            if on and doc >= 0 and pos > start and len(texts) < most:  # an answer with a prompt before it
+                texts.append(WalkText(ids[r][start:pos], ids[r][pos:pos + n], min(limit, n)))
+                hidden.append({i: f[r, start:pos + n] for i, f in feats.items()})
+            pos += n
     return texts, hidden
 
 
@@ -112,6 +107,7 @@ def walk(proposer: Proposer, texts: list[WalkText], hidden: list[dict[int, torch
     """Per text, the metrics of drafting ``tree`` with ``proposer`` along it (``rows`` texts at a time, as
     one batch of the engine)."""
     metrics = [SpecMetrics() for _ in texts]
+    full = [t.prompt + t.answer for t in texts]
     for s in range(0, len(texts), rows):
         live = []
         for i in range(s, min(s + rows, len(texts))):
@@ -121,7 +117,7 @@ def walk(proposer: Proposer, texts: list[WalkText], hidden: list[dict[int, torch
             live.append(st)
         while live:
             for st, drafted in zip(live, proposer.propose_batch(live, tree)):
-                text = texts[st.rid].prompt + texts[st.rid].answer
+                text = full[st.rid]
                 root = len(st.tokens) - 1  # the root's position in the text
                 n = _accepted(drafted, text, root)
                 if len(drafted) > 1:  # a step that drafted nothing is a plain step, as the engine counts it
@@ -138,14 +134,10 @@ def walk(proposer: Proposer, texts: list[WalkText], hidden: list[dict[int, torch
 
 
 def _accepted(tree: Tree, text: list[int], root: int) -> int:
-    """How many drafted tokens of ``tree`` (rooted at text position ``root``) the greedy walk accepts."""
-    kids, node, n = tree.children(), 0, 0
-    while root + 1 + n < len(text):
-        node = next((c for c in kids[node] if tree.tokens[c] == text[root + 1 + n]), None)
-        if node is None:
-            break
-        n += 1
-    return n
+    """How many drafted tokens of ``tree`` (rooted at text position ``root``) the greedy walk accepts: the
+    target's argmax after a node at depth d on the path is the text's token at root + 1 + d."""
+    want = [text[root + 1 + d] if root + 1 + d < len(text) else -1 for d in depths(tree.parents)]
+    return len(verify_greedy(tree, want).accepted)
 
 
 def summary(texts: list[WalkText], metrics: list[SpecMetrics]) -> dict:
