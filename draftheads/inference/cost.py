@@ -11,6 +11,10 @@ reach: a step verifies at most twice the query tokens of the largest size measur
 so sizes are explored by doubling, not with one forward over hundreds of tokens whose cost is a
 straight line drawn from a few small ones.
 
+The cost of a forward depends on the batch as well as on its query tokens (every row reads its own
+context): the policy keeps a curve per batch size (:class:`BatchCurves`). A batch size first seen
+borrows the shape of the nearest one measured, and its first measurement sets its level.
+
 The machine's speed drifts (plain decoding here went from 22 to 14 tok/s within an hour), and a size
 measured long ago would be judged by another speed. Every measurement moves one drift factor by its
 ratio to the curve's estimate, and the curve keeps its points at the speed of the factor: sizes
@@ -45,6 +49,7 @@ class CostCurve:
     points: dict[int, list[float]] = field(default_factory=dict)  # grid key -> [seconds / drift, count]
     drift: float = 1.0
     seen: set = field(default_factory=set)
+    measured: int = 0  # forwards measured since the points were set (the first ones set the drift outright)
 
     def seed(self, ms_by_tokens: dict[int, float]) -> None:
         """Points from ``draftheads profile`` (milliseconds by query tokens)."""
@@ -61,7 +66,8 @@ class CostCurve:
         est = self.estimate(tokens, optimistic=False)  # the drift is read off the points as measured
         if est:
             ratio = min(max(seconds / est, 0.5), 2.0)  # one stalled step moves the factor a little
-            self.drift *= ratio ** self.drift_rate
+            self.measured += 1
+            self.drift *= ratio ** max(self.drift_rate, 1 / self.measured)
         p = self.points.setdefault(key, [0.0, 0.0])
         p[1] += 1
         p[0] += max(1 / p[1], self.min_rate) * (seconds / self.drift - p[0])
@@ -121,6 +127,13 @@ class CostCurve:
             out.append(t * self.drift)
         return out
 
+    def borrow(self, trust: float) -> CostCurve:
+        """A curve for another batch size, of this one's shape: its points held as at most ``trust``
+        measurements each (so they are explored), and the first forward measured at a size sets its
+        level (the drift) outright."""
+        return CostCurve(self.drift_rate, self.min_rate, self.explore, self.seed_count,
+                         {k: [t, min(c, trust)] for k, (t, c) in self.points.items()}, self.drift)
+
     def reach(self) -> int | None:
         """The most query tokens a step may verify: twice the largest size measured (None before any)."""
         return 2 * max((n for n, (_, count) in self.points.items() if count > 0), default=0) or None
@@ -129,6 +142,27 @@ class CostCurve:
         """How many measurements the point of ``tokens`` holds."""
         p = self.points.get(grid_key(tokens))
         return p[1] if p else 0.0
+
+
+@dataclass
+class BatchCurves:
+    """A :class:`CostCurve` per batch size (by :func:`grid_key`): ``base`` is batch 1's (the one
+    ``draftheads profile`` seeds); a batch size first seen starts from the curve of the nearest batch
+    size, its points trusted as ``trust`` measurements each."""
+
+    base: CostCurve = field(default_factory=CostCurve)
+    trust: float = 2.0
+    curves: dict[int, CostCurve] = field(default_factory=dict)
+
+    def at(self, batch: int) -> CostCurve:
+        key = grid_key(batch)
+        if key == 1:
+            return self.base
+        if key not in self.curves:
+            known = {1: self.base, **self.curves}
+            near = min(known, key=lambda k: (abs(math.log(k / key)), -k))
+            self.curves[key] = known[near].borrow(self.trust)
+        return self.curves[key]
 
 
 @dataclass

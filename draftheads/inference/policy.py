@@ -5,15 +5,21 @@ included, from two models kept as the engine runs.
   drafted node is accepted, from the draft's own confidence in each token of its path, calibrated on
   every drafted node the emitted tokens label (those the step left out included), shared by the
   engine's requests and refined per request.
-* **Cost** (:mod:`draftheads.inference.cost`): seconds of the verify forward by query tokens (the
-  verify curve, with a drift factor for the machine's speed) and of drafting by batch size and depth;
+* **Cost** (:mod:`draftheads.inference.cost`): seconds of the verify forward by batch size and query
+  tokens (a verify curve per batch size, with a drift factor for the machine's speed) and of drafting
+  by batch size and depth;
   and here, the seconds of one level of the verification walk (the lazy lm_head projects the nodes of
   one depth at a time, so a walk costs one projection per accepted depth and the bonus).
 
 A step, for a batch of ``B`` rows:
 
-1. **Who drafts.** A row drafts unless its gate is shut. Each drafted step credits the row with the
-   seconds its accepted tokens saved (accepted tokens times plain decoding's seconds per token) and
+1. **What a row's tokens are worth** (:func:`worth`): a batch is done when its last row is, so a token
+   of a row sure to finish before the others is worth less than one of the row furthest behind; worths
+   sum to ``B`` (all rows alike: 1 each), and a row worth less than a tenth of the last one's does not
+   draft. Tokens below are counted at their row's worth.
+2. **Who drafts.** A row drafts unless its gate is shut. Each drafted step credits the row with the
+   seconds its accepted tokens saved the batch (accepted tokens times its worth times plain decoding's
+   seconds per token) and
    charges it its share of the draft (as the draft cost model has it: a request's first draft also
    reads its prompt, once) and of the verify forward beyond plain; when the decayed mean of
    the credit falls below that of the charge, and so do the seconds the acceptance model, having seen
@@ -25,19 +31,19 @@ A step, for a batch of ``B`` rows:
    requests before costs a new one a probe or two rather than one every few steps. A row drafts only
    while it can take a drafted token (more than one token to go), and no node deeper than it can take
    is valued.
-2. **How deep** (:class:`Grow`, proposers that draft depth by depth): after each depth, the chance
+3. **How deep** (:class:`Grow`, proposers that draft depth by depth): after each depth, the chance
    that the walk reaches it (the values of its best ``top_k`` nodes, each its parent's times its own)
    times the chance that it goes on one further is what one more depth returns; the draft goes deeper while that return per second of
    drafting and verifying beats the step's rate so far.
-3. **Which nodes** (:meth:`AutoPolicy.select`): every drafted node of every row is valued by the
+4. **Which nodes** (:meth:`AutoPolicy.select`): every drafted node of every row is valued by the
    acceptance model, and the ``n`` best across the batch are verified, ``n`` (0 = plain verify) chosen
-   for the best ``(B + sum of their values) / (draft seconds + verify seconds of B + n tokens + walk
+   for the best ``(B + sum of their values at their rows' worth) / (draft seconds + verify seconds of B + n tokens + walk
    seconds of 1 + the longest expected walk)``. So the
    tree's size and shape, per row, follow the draft's confidence and what tokens cost here, not a preset.
    A probing row keeps at least its best node, so that it is measured.
-4. **Keeping the cost model current**: a plain step is run before the curve has any point, and every
-   ``plain_every`` steps of a batch size (a batch size first seen is judged by the curve as it stands:
-   its plain forward is a query-token count like any other).
+5. **Keeping the cost model current**: a plain step is run before the curve has any point, and every
+   ``plain_every`` steps of a batch size (a batch size first seen is judged by the curve it borrows
+   from the nearest batch size measured, at the level its first forwards show).
 
 **Selection bias.** Choosing the nodes whose estimated values are highest picks, among nodes of equal worth,
 those whose estimates happen to run high, so the chosen trees accept less than their values sum to (the
@@ -52,13 +58,14 @@ measured tokens per step, and the sizes chosen).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from draftheads.inference.acceptance import EDGES, AcceptanceModel
-from draftheads.inference.cost import CostCurve, DraftCost, grid_key
+from draftheads.inference.cost import BatchCurves, CostCurve, DraftCost, grid_key
 from draftheads.inference.proposers.base import RequestState
 from draftheads.inference.tree import Tree, TreeSpec, depths, prune
 
@@ -82,6 +89,7 @@ class StepPlan:
     drafting: list[RequestState]
     spec: TreeSpec | None
     grow: Grow | None = None
+    weights: dict[int, float] = field(default_factory=dict)  # request id -> what its tokens are worth (1: all alike)
     predicted: float = 0.0  # expected tokens of the trees chosen (filled by select)
     pools: dict[int, Tree] = field(default_factory=dict)  # request id -> its drafted pool (filled by select)
 
@@ -95,6 +103,7 @@ class Grow:
     batch: int
     top_k: int
     max_depth: int
+    weights: list[float] | None = None  # per row of ``rows``: what its tokens are worth (see :func:`worth`)
     t0: float = field(default_factory=time.perf_counter)
     expected: float = 0.0  # expected accepted tokens over the batch so far
     nodes: int = 0  # tokens to verify beyond the roots so far (each depth's best top_k per row)
@@ -123,14 +132,16 @@ class Grow:
         # per row, the chance that the walk reaches this depth on one of its best top_k nodes
         best = torch.topk(values, min(self.top_k, values.shape[1]), dim=1).values
         reach = (best.sum(1) * pol.scale(self.batch)).clamp(max=1.0).tolist()
-        self.expected += sum(reach)
+        w = self.weights or [1.0] * len(self.rows)
+        self.expected += sum(p * x for p, x in zip(reach, w))
         self.longest = max(self.longest, max(reach) * depth)  # a walk of a row that reaches this depth
         self.nodes += len(self.rows) * best.shape[1]
         q, r = self.batch + self.nodes, len(self.rows)
-        limit = pol.curve.reach()
+        limit = pol.curves.at(self.batch).reach()
         if limit is not None and self.batch + r * (depth + 1) > limit:  # a chain one deeper per row would not fit
             return False
-        t_v, plain, proj = pol.verify_time(q), pol.verify_time(self.batch), pol.walk_time(self.batch)
+        b = self.batch
+        t_v, plain, proj = pol.verify_time(q, b), pol.verify_time(b, b), pol.walk_time(b)
         d_now = pol.draft.estimate(r, depth, plain)
         rate = (self.batch + self.expected) / (d_now + t_v + proj * (1 + self.longest))
         # one more depth opens the ones after it: drafting h further depths pays when what they return
@@ -138,10 +149,10 @@ class Grow:
         gain = levels = 0.0
         for h in range(1, self.max_depth - depth + 1):
             reach = [p * acc.reach(st.rid, depth + h) for st, p in zip(self.rows, reach)]
-            gain += sum(reach)
+            gain += sum(p * x for p, x in zip(reach, w))
             levels += max(reach)  # the walk's expected further levels, at the batch's longest row
             extra = (max(pol.draft.estimate(r, depth + h, plain) - d_now, 0.0)
-                     + max(pol.verify_time(q + h * r) - t_v, 0.0) + proj * levels)
+                     + max(pol.verify_time(q + h * r, b) - t_v, 0.0) + proj * levels)
             if extra <= 0 or gain / extra > rate:
                 return gain > 0
         return False
@@ -154,12 +165,14 @@ class AutoPolicy:
 
     pool: TreeSpec
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
-    curve: CostCurve = field(default_factory=CostCurve)
+    curves: BatchCurves = field(default_factory=BatchCurves)
     draft: DraftCost = field(default_factory=DraftCost)
     ema: float = 0.1  # weight of a step in a row's gate (a short run of rejections does not shut it)
     min_wait: int = 1
     max_wait: int = 32
     plain_every: int = 64
+    spread: float = 1.5  # a row this many square roots of the tokens to go ahead of the last is worth 1/e of it
+    least: float = 0.1  # a row worth less than this share of the last one does not draft
     walk_decay: float = 0.95
     bias_decay: float = 0.98
     bias_weight: float = 4.0  # pseudo accepted tokens of an unbiased start
@@ -185,9 +198,15 @@ class AutoPolicy:
 
     # ------------------------------------------------------------------ the step
 
-    def verify_time(self, tokens: int) -> float:
-        """Seconds of a verify forward of ``tokens`` query tokens (optimistic; 1 before any measurement)."""
-        t = self.curve.optimistic(tokens)
+    @property
+    def curve(self) -> CostCurve:
+        """Batch 1's verify curve (the one ``draftheads profile`` seeds)."""
+        return self.curves.base
+
+    def verify_time(self, tokens: int, batch: int) -> float:
+        """Seconds of a verify forward of ``tokens`` query tokens over ``batch`` rows (optimistic; 1 before
+        any measurement)."""
+        t = self.curves.at(batch).optimistic(tokens)
         return 1.0 if t is None else t
 
     def scale(self, batch: int) -> float:
@@ -200,46 +219,50 @@ class AutoPolicy:
         b = len(live)
         key = grid_key(b)
         stale = step - self.last_plain.setdefault(key, step) >= self.plain_every  # a new batch size: not yet
-        if stale or not self.curve.points:
+        if stale or not self.curves.at(b).points:
             return StepPlan([], None)
-        rows = [st for st in live if step >= st.gate.open_at and _room(st) > 0]
+        weights = worth(live, self.spread, self.least)
+        rows = [st for st in live if step >= st.gate.open_at and _room(st) > 0 and st.rid in weights]
         if not rows:
             return StepPlan([], None)
-        grow = Grow(self, rows, b, self.pool.top_k, min(self.pool.depth, max(map(_room, rows))))
-        return StepPlan(rows, self.pool, grow)
+        grow = Grow(self, rows, b, self.pool.top_k, min(self.pool.depth, max(map(_room, rows))),
+                    weights=[weights[st.rid] for st in rows])
+        return StepPlan(rows, self.pool, grow, weights=weights)
 
     def select(self, live: list[RequestState], plan: StepPlan, pools: list[Tree], draft_seconds: float) -> list[Tree]:
         """Every live row's tree to verify: the best nodes of the drafted ``pools`` (one per drafting row)
         across the batch, as many as pay (the root alone for rows that did not draft)."""
         b = len(live)
         f = self.scale(b)
-        values, cands = {}, []  # cands: (value, score, depth, row id, node)
+        values, cands = {}, []  # cands: (value as its row's tokens are worth, score, depth, row id, node, value)
         pool_of = plan.pools = {st.rid: t for st, t in zip(plan.drafting, pools)}
         for st, t in zip(plan.drafting, pools):
             d, room = depths(t.parents), _room(st)  # a node deeper than the tokens left to go is worth nothing
             values[st.rid] = [v * f if d[i] <= room else 0.0 for i, v in enumerate(self.acceptance.values(st.rid, t))]
             sc = t.scores or [0.0] * len(t)
-            cands.extend((values[st.rid][i], sc[i], d[i], st.rid, i) for i in range(1, len(t)))
+            w = plan.weights.get(st.rid, 1.0)
+            cands.extend((values[st.rid][i] * w, sc[i], d[i], st.rid, i, values[st.rid][i]) for i in range(1, len(t)))
         # equal values (one calibration cell) are ranked by the draft's own score, as EAGLE-2 ranks them; a
         # node's score is below its parent's, so a parent still comes first
-        cands.sort(key=lambda c: (-c[0], -c[1], c[2], c[3], c[4]))
-        limit = self.curve.reach()
+        cands.sort(key=lambda c: (-c[0], -c[1], c[2], c[3], c[4]))  # a parent is worth as much as its child
+        curve = self.curves.at(b)
+        limit = curve.reach()
         if limit is not None:  # no further than the curve's reach into sizes never measured
             cands = cands[: max(limit - b, 0)]
-        times = [1.0 if t is None else t for t in self.curve.table(b, b + len(cands))]
+        times = [1.0 if t is None else t for t in curve.table(b, b + len(cands))]
         proj = self.walk_time(b)
         # the walk projects one level of the batch per accepted depth: 1 + the longest expected walk
         best_n, best_rate, total, longest = 0, b / (draft_seconds + times[0] + proj), 0.0, 0.0
         walked: dict[int, float] = {}
         for n, c in enumerate(cands, 1):
             total += c[0]
-            walked[c[3]] = walked.get(c[3], 0.0) + c[0]
+            walked[c[3]] = walked.get(c[3], 0.0) + c[5]
             longest = max(longest, walked[c[3]])
             rate = (b + total) / (draft_seconds + times[n] + proj * (1 + longest))
             if rate > best_rate:
                 best_n, best_rate = n, rate
         keep: dict[int, set[int]] = {st.rid: set() for st in plan.drafting}
-        for *_, rid, i in cands[:best_n]:
+        for *_, rid, i, _v in cands[:best_n]:
             keep[rid].add(i)
         for st in plan.drafting:  # a probe is measured on at least its best node
             if st.gate.probing and not keep[st.rid] and len(pool_of[st.rid]) > 1:
@@ -265,7 +288,7 @@ class AutoPolicy:
         q = sum(len(t) for t in trees)
         s = self.stats.setdefault(key, dict.fromkeys(("steps", "drafted", "predicted", "measured", "tokens"), 0.0))
         s["steps"] += 1
-        self.curve.add(q, forward_seconds)
+        self.curves.at(b).add(q, forward_seconds)
         w = self.walk.setdefault(key, [0.0, 0.0])
         w[0] = w[0] * self.walk_decay + walk_seconds
         w[1] = w[1] * self.walk_decay + 1 + max(accepted)
@@ -290,7 +313,7 @@ class AutoPolicy:
         bias[0] = bias[0] * self.bias_decay + sum(accepted)
         bias[1] = bias[1] * self.bias_decay + unscaled
         s["tokens"] += q
-        plain = self.verify_time(b) + self.walk_time(b)
+        plain = self.verify_time(b, b) + self.walk_time(b)
         beyond = max(forward_seconds + walk_seconds - plain, 0.0)
         share = self.draft.estimate(r, depth, plain) / r  # a row's share of a step's draft, as modelled
         f = self.scale(b)
@@ -301,10 +324,10 @@ class AutoPolicy:
             pool = plan.pools.get(st.rid, t)
             drawn = pool.draft_probs is not None and any(q is not None for q in pool.draft_probs[1:])
             self.acceptance.observe(st.rid, t if drawn else pool, em)  # sampled drafts: only those verified
-            saved = acc * plain / b
+            w = plan.weights.get(st.rid, 1.0) * plain / b  # the seconds one of its tokens saves the batch
             spent = share + (beyond * (len(t) - 1) / drafted if drafted else 0.0)
             expected = sum(self.acceptance.values(st.rid, t)[1:]) * f  # believed after this step
-            self._gate(st.gate, saved, spent, expected * plain / b, step)
+            self._gate(st.gate, acc * w, spent, expected * w, step)
 
     def _gate(self, g: RowGate, saved: float, spent: float, likely: float, step: int) -> None:
         first = g.saved is None or g.probing
@@ -329,6 +352,22 @@ class AutoPolicy:
                         "predicted_tokens_per_step": s["predicted"] / d if d else 0.0,
                         "measured_tokens_per_step": s["measured"] / d if d else 0.0}
         return out
+
+
+def worth(live: list[RequestState], spread: float, least: float) -> dict[int, float]:
+    """What each row's tokens are worth this step, by request id (rows worth less than ``least`` of the
+    last row's left out): a batch is done when its last row is, so tokens of a row sure to finish before
+    the others save the batch little (the steps after it finishes are a row smaller), and those of the
+    row furthest behind save the whole batch a step. Which row finishes last is uncertain by about the
+    square root of the tokens to go (``spread`` times it): a row's worth falls by ``e`` for every such
+    margin it is ahead of the row with the most to go. The worths sum to the batch size (all rows
+    alike: 1 each)."""
+    left = {st.rid: st.params.max_new_tokens - len(st.generated) for st in live}
+    most = max(left.values())
+    margin = spread * math.sqrt(max(most, 1))
+    share = {rid: math.exp((n - most) / margin) for rid, n in left.items()}
+    total = sum(share.values())
+    return {rid: len(live) * u / total for rid, u in share.items() if u >= least}
 
 
 def _room(st: RequestState) -> int:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from draftheads.inference.acceptance import AcceptanceModel
-from draftheads.inference.cost import CostCurve, DraftCost
+from draftheads.inference.cost import BatchCurves, CostCurve, DraftCost
 from draftheads.inference.engine import Engine, EngineConfig
-from draftheads.inference.policy import AutoPolicy, StepPlan
+from draftheads.inference.policy import AutoPolicy, StepPlan, worth
 from draftheads.inference.proposers.base import Proposer, RequestState
 from draftheads.inference.proposers.random_draft import RandomProposer
 from draftheads.inference.sampling import SamplingParams
@@ -102,6 +102,40 @@ def test_cost_curve_interpolates_is_optimistic_past_what_it_measured_and_follows
     assert c.estimate(16) == pytest.approx(0.4, rel=0.1)
 
 
+def test_a_batch_size_first_seen_borrows_the_nearest_curves_shape_and_measures_its_level():
+    curves = BatchCurves()
+    curves.base.seed({1: 100, 4: 110, 16: 150, 32: 200})
+    c4 = curves.at(4)
+    assert c4.optimistic(16) < 0.15  # borrowed points are held as two measurements: explored
+    assert curves.at(3) is not c4 and curves.at(5) is not c4
+    c16 = curves.at(16)  # nearest measured: batch 4's (the nearer by ratio, the larger on a tie)
+    c16.add(16, 9.0)  # cold: not counted
+    c16.add(16, 0.225)  # 1.5x what batch 1 took: the first measurement sets the level outright
+    assert c16.estimate(32, optimistic=False) == pytest.approx(0.3)
+    assert curves.base.estimate(32, optimistic=False) == pytest.approx(0.2)  # batch 1's own is untouched
+    for _ in range(5):
+        c16.add(16, 0.3)  # later ones move it by less
+    assert 0.3 < c16.estimate(32, optimistic=False) < 0.4
+
+
+def test_rows_behind_are_worth_more_in_a_batch_that_ends_with_its_last_row():
+    rows = [RequestState(rid, 1, [0], SamplingParams(max_new_tokens=64), None) for rid in range(4)]
+    assert worth(rows, 1.5, 0.1) == {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}  # all alike
+    rows[0].tokens += [7] * 10
+    rows[1].tokens += [7] * 40
+    w = worth(rows, 1.5, 0.1)
+    assert 1 not in w  # 40 tokens ahead of the last: it finishes first whatever is drafted
+    assert 0.0 < w[0] < 1.0 < w[2] == w[3]
+    assert sum(w.values()) <= 4.0
+
+    def ahead_by_4(done: int) -> float:  # the worth of a row 4 tokens ahead of three others
+        rows = [RequestState(rid, 1, [0] * (1 + done + 4 * (rid == 0)), SamplingParams(max_new_tokens=64), None)
+                for rid in range(4)]
+        return worth(rows, 1.5, 0.1)[0]
+
+    assert ahead_by_4(52) < ahead_by_4(0) < 1.0  # nearer the end, the last row is the more certain
+
+
 def test_draft_cost_extrapolates_from_the_depths_it_measured():
     d = DraftCost()
     assert d.estimate(1, 3, verify=1.0) == pytest.approx(0.15 * 1.5)  # before any measurement
@@ -143,7 +177,8 @@ def test_the_chosen_trees_are_the_brute_force_optimum(seed):
             s.append(s[parents[i]] + math.log(rng.uniform(0.05, 0.95)))
         pools.append(Tree(list(range(len(parents))), parents, scores=s))
     draft = rng.choice([0.0, 0.1, 0.5])
-    plan = StepPlan(rows, pol.pool)
+    worths = rng.choice([{}, {0: 1.6, 1: 0.4}])  # a batch with a row behind: its tokens count for more
+    plan = StepPlan(rows, pol.pool, weights=worths)
     for st in rows:
         st.gate.probing = False
     chosen = pol.select(rows, plan, pools, draft)
@@ -151,7 +186,8 @@ def test_the_chosen_trees_are_the_brute_force_optimum(seed):
 
     def rate(subs):
         n = sum(len(s) for s in subs)
-        return (2 + sum(v[i] for v, s in zip(values, subs) for i in s)) / (draft + pol.verify_time(2 + n))
+        got = sum(worths.get(st.rid, 1.0) * v[i] for st, v, s in zip(rows, values, subs) for i in s)
+        return (2 + got) / (draft + pol.verify_time(2 + n, 2))
 
     best = max(rate(pair) for pair in itertools.product(*(list(_closed_subsets(t)) for t in pools)))
     got = [set(range(1, len(t))) for t in chosen]  # the chosen trees as node sets of the pools
