@@ -72,6 +72,8 @@ def test_bench_parts_on_tiny_target(tiny_llama_dir, tmp_path, capsys):
         assert (res["proposers"][m]["same_text"], res["proposers"][m]["shared_prefix"]) == (1, 1.0)
         assert res["proposers"][m]["flips"] == 0  # every engine followed plain's text, which is its own here
     assert all(cell["flips"] == 0 for cell in res["batch_sweep"]["ngram (auto)"].values())
+    assert all(cell["auto"]["steps"] >= 1 for cell in res["batch_sweep"]["ngram (auto)"].values())  # auto's report
+    assert "ngram (auto), steps of batch 2:" in (out / "results.md").read_text()
     assert res["dtype"] == "float32" and "threads, float32)" in (out / "results.md").read_text()
     assert (out / "verify_curve.png").is_file() and (out / "batch_sweep.png").is_file()
 

@@ -28,6 +28,7 @@ import time
 import torch
 
 from draftheads.evaluation import first_difference
+from draftheads.inference.cost import grid_key
 from draftheads.inference.engine import Engine, EngineConfig
 from draftheads.inference.sampling import SamplingParams
 from draftheads.inference.timing import Run, generation_run, interleaved, tokens_per_forward, warm_up
@@ -189,6 +190,8 @@ def batch_sweep(target, proposers: dict, prompts: list[list[int]], n: int, batch
             out[name][b] = {k: r[k] for k in ("speedup", "median", "q25", "q75", "ci95", "pairs", "above_bound")}
             if e.verifier.name == "reference":
                 out[name][b]["flips"] = e.verifier.flips - before[name]
+            if e.policy is not None and (a := e.policy.report().get(grid_key(b))):
+                out[name][b]["auto"] = a  # this batch size's steps so far (rows finishing leave smaller ones)
             progress(f"batch sweep: {name} batch {b}: {r['speedup']:.2f}x, median {r['median']:.2f}x "
                      f"(95% CI {r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}, {r['pairs']} pairs)")
     return out
@@ -286,6 +289,12 @@ def tables(res: dict) -> str:
             v = {int(b): cell for b, cell in v.items()}  # the batch sizes are strings once written as JSON
             lines.append(f"| {name} | " + " | ".join(_sweep_cell(v[b]) if b in v else "-" for b in bs) + " |")
         lines.append("")
+        autos = [f"{name}, steps of batch {b}: {a['drafted']} of {a['steps']} drafted, {a['tree_tokens_per_step']:.1f} "
+                 f"tokens verified per drafted step (roots included); predicted {a['predicted_tokens_per_step']:.2f} "
+                 f"tokens per drafted step, measured {a['measured_tokens_per_step']:.2f}"
+                 for name, v in res["batch_sweep"].items() for b, cell in v.items() if (a := cell.get("auto"))]
+        if autos:
+            lines += [*autos, ""]
     if "datagen" in res:
         d = res["datagen"]
         lines += [f"data generation, {d['prompts']} prompts, answers up to {d['max_new_tokens']} tokens (stop at end of "

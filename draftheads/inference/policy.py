@@ -31,7 +31,10 @@ A step, for a batch of ``B`` rows:
    requests before costs a new one a probe or two rather than one every few steps. A row drafts only
    while it can take a drafted token (more than one token to go), and no node deeper than it can take
    is valued.
-3. **How deep** (:class:`Grow`, proposers that draft depth by depth): after each depth, the chance
+3. **How deep** (:class:`Grow`, proposers that draft depth by depth): each depth is a draft forward
+   over rows × width tokens, so the width (``top_k``) shrinks as more rows draft, to the pool's
+   ``top_k`` over the rows (at least 1): the rows together read what one row reads at full width (on
+   2 CPU cores, top-4 drafts at batch 4 cost more than their extra tokens returned). After each depth, the chance
    that the walk reaches it (the values of its best ``top_k`` nodes, each its parent's times its own)
    times the chance that it goes on one further is what one more depth returns; the draft goes deeper while that return per second of
    drafting and verifying beats the step's rate so far.
@@ -60,7 +63,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -173,6 +176,7 @@ class AutoPolicy:
     plain_every: int = 64
     spread: float = 1.5  # a row this many square roots of the tokens to go ahead of the last is worth 1/e of it
     least: float = 0.1  # a row worth less than this share of the last one does not draft
+    narrow: bool = False  # the draft's width shrinks as more rows draft (see how wide)
     walk_decay: float = 0.95
     bias_decay: float = 0.98
     bias_weight: float = 4.0  # pseudo accepted tokens of an unbiased start
@@ -184,7 +188,7 @@ class AutoPolicy:
 
     @classmethod
     def for_proposer(cls, proposer) -> AutoPolicy:
-        return cls(proposer.auto_pool)
+        return cls(proposer.auto_pool, narrow=proposer.width_by_rows)
 
     # ------------------------------------------------------------------ requests
 
@@ -225,9 +229,12 @@ class AutoPolicy:
         rows = [st for st in live if step >= st.gate.open_at and _room(st) > 0 and st.rid in weights]
         if not rows:
             return StepPlan([], None)
-        grow = Grow(self, rows, b, self.pool.top_k, min(self.pool.depth, max(map(_room, rows))),
+        spec = self.pool
+        if self.narrow and len(rows) > 1:  # rows x width tokens per depth: at most one row's full width
+            spec = replace(spec, top_k=max(spec.top_k // len(rows), 1))
+        grow = Grow(self, rows, b, spec.top_k, min(spec.depth, max(map(_room, rows))),
                     weights=[weights[st.rid] for st in rows])
-        return StepPlan(rows, self.pool, grow, weights=weights)
+        return StepPlan(rows, spec, grow, weights=weights)
 
     def select(self, live: list[RequestState], plan: StepPlan, pools: list[Tree], draft_seconds: float) -> list[Tree]:
         """Every live row's tree to verify: the best nodes of the drafted ``pools`` (one per drafting row)

@@ -291,6 +291,25 @@ def test_auto_drafts_deep_with_a_drafter_that_is_always_right(tiny_target, promp
     assert 0.7 * report["measured_tokens_per_step"] < report["predicted_tokens_per_step"]
 
 
+def test_a_draft_that_goes_depth_by_depth_narrows_as_more_rows_draft():
+    """Each depth of such a draft is a forward over rows x width tokens: under auto the width shrinks so
+    that the rows drafting together read about what one row does at full width."""
+    from draftheads.inference.proposers.dflash import DFlashProposer
+    from draftheads.inference.proposers.draft_tree import DraftTreeProposer
+
+    assert DraftTreeProposer.width_by_rows and not DFlashProposer.width_by_rows  # a block is one forward
+    spec = TreeSpec(depth=6, top_k=4, total_tokens=64)
+    for narrow, widths in ((True, [4, 2, 1, 1]), (False, [4, 4, 4, 4])):
+        pol = AutoPolicy(spec, narrow=narrow)
+        pol.curve.seed({1: 100, 4: 110})
+        rows = [_state(i) for i in range(4)]
+        for st in rows:
+            pol.start(st)
+        plans = [pol.plan(rows[:n], n) for n in (1, 2, 3, 4)]
+        assert [p.spec.top_k for p in plans] == [p.grow.top_k for p in plans] == widths
+        assert all(len(p.drafting) == n for p, n in zip(plans, (1, 2, 3, 4)))
+
+
 class _TurnsGood(Proposer):
     """Drafts a chain of 4 with the same confidence throughout: random tokens before the request has
     ``switch`` tokens, the target's own continuation after (acceptance 0, then about 0.8: the oracle's

@@ -64,6 +64,9 @@ class Proposer:
     name = "none"
     layer_ids: tuple[int, ...] = ()
     auto_pool: TreeSpec = TreeSpec(depth=8, top_k=4, total_tokens=64, name="auto")
+    width_by_rows = False
+    """Whether each drafted depth is a forward over rows × ``top_k`` tokens (drafting depth by depth), so
+    that under ``auto`` a wider draft costs as more rows do."""
 
     def check_tree(self, tree: TreeSpec) -> None:
         """Raise :class:`DraftheadsError` when this proposer cannot draft ``tree``."""

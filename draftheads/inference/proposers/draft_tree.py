@@ -44,6 +44,7 @@ class DraftTreeProposer(FollowingProposer):
     ``head.projection`` (its own draft vocabulary, or the target's lm_head)."""
 
     state_type = DraftState
+    width_by_rows = True
 
     def __init__(self, head, target):
         super().__init__()
