@@ -176,7 +176,7 @@ class AutoPolicy:
     plain_every: int = 64
     spread: float = 1.5  # a row this many square roots of the tokens to go ahead of the last is worth 1/e of it
     least: float = 0.1  # a row worth less than this share of the last one does not draft
-    narrow: bool = False  # the draft's width shrinks as more rows draft (see how wide)
+    narrow: bool = False  # the draft narrows as more rows draft (module docstring, "How deep")
     walk_decay: float = 0.95
     bias_decay: float = 0.98
     bias_weight: float = 4.0  # pseudo accepted tokens of an unbiased start
