@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
 """Query-token counts the curve keeps points at (a step is counted at the next one up)."""
@@ -131,8 +131,7 @@ class CostCurve:
         """A curve for another batch size, of this one's shape: its points held as at most ``trust``
         measurements each (so they are explored), and the first forward measured at a size sets its
         level (the drift) outright."""
-        return CostCurve(self.drift_rate, self.min_rate, self.explore, self.seed_count,
-                         {k: [t, min(c, trust)] for k, (t, c) in self.points.items()}, self.drift)
+        return replace(self, points={k: [t, min(c, trust)] for k, (t, c) in self.points.items()}, seen=set(), measured=0)
 
     def reach(self) -> int | None:
         """The most query tokens a step may verify: twice the largest size measured (None before any)."""

@@ -136,17 +136,17 @@ class Grow:
         best = torch.topk(values, min(self.top_k, values.shape[1]), dim=1).values
         reach = (best.sum(1) * pol.scale(self.batch)).clamp(max=1.0).tolist()
         w = self.weights or [1.0] * len(self.rows)
-        self.expected += sum(p * x for p, x in zip(reach, w))
+        self.expected += sum(p * x for p, x in zip(reach, w))  # accepted tokens at their rows' worth
         self.longest = max(self.longest, max(reach) * depth)  # a walk of a row that reaches this depth
         self.nodes += len(self.rows) * best.shape[1]
-        q, r = self.batch + self.nodes, len(self.rows)
-        limit = pol.curves.at(self.batch).reach()
-        if limit is not None and self.batch + r * (depth + 1) > limit:  # a chain one deeper per row would not fit
+        b, r = self.batch, len(self.rows)
+        q = b + self.nodes
+        limit = pol.curves.at(b).reach()
+        if limit is not None and b + r * (depth + 1) > limit:  # a chain one deeper per row would not fit
             return False
-        b = self.batch
         t_v, plain, proj = pol.verify_time(q, b), pol.verify_time(b, b), pol.walk_time(b)
         d_now = pol.draft.estimate(r, depth, plain)
-        rate = (self.batch + self.expected) / (d_now + t_v + proj * (1 + self.longest))
+        rate = (b + self.expected) / (d_now + t_v + proj * (1 + self.longest))
         # one more depth opens the ones after it: drafting h further depths pays when what they return
         # per second beats the step's rate so far, for some h
         gain = levels = 0.0
@@ -331,10 +331,10 @@ class AutoPolicy:
             pool = plan.pools.get(st.rid, t)
             drawn = pool.draft_probs is not None and any(q is not None for q in pool.draft_probs[1:])
             self.acceptance.observe(st.rid, t if drawn else pool, em)  # sampled drafts: only those verified
-            w = plan.weights.get(st.rid, 1.0) * plain / b  # the seconds one of its tokens saves the batch
+            per_token = plan.weights.get(st.rid, 1.0) * plain / b  # the seconds one of its tokens saves the batch
             spent = share + (beyond * (len(t) - 1) / drafted if drafted else 0.0)
             expected = sum(self.acceptance.values(st.rid, t)[1:]) * f  # believed after this step
-            self._gate(st.gate, acc * w, spent, expected * w, step)
+            self._gate(st.gate, acc * per_token, spent, expected * per_token, step)
 
     def _gate(self, g: RowGate, saved: float, spent: float, likely: float, step: int) -> None:
         first = g.saved is None or g.probing
