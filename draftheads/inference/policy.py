@@ -26,11 +26,16 @@ A step, for a batch of ``B`` rows:
    this step, expects the row's tree to save (one unlucky step of a good drafter does not shut it; a
    drafter the model believes in no longer does), the row decodes plainly and probes again after a wait
    that doubles on every losing probe, up to ``max_wait`` steps: a request whose drafts turn good
-   finds out within that bound. A new request drafts at once; should that probe lose, it waits as
-   long as the last finished request last waited, not one step, so a drafter that did not pay on the
-   requests before costs a new one a probe or two rather than one every few steps. A row drafts only
-   while it can take a drafted token (more than one token to go), and no node deeper than it can take
-   is valued.
+   finds out within that bound. A row whose draft had no node worth verifying (step 4) waits as after
+   a losing probe: the acceptance model, having seen that draft's confidence, expects nothing of it.
+   A new request drafts at once if the acceptance the engine's requests have shown so far (the shared
+   cells) expects a chain of some depth to save the batch more than its share of that step's draft and
+   verify; otherwise it waits as long as the last finished request last waited (its first draft also
+   reads its whole prompt: with a weak drafter at batch 16, twice a plain step) and then probes, so a
+   prompt on which the drafter is good is still found within ``max_wait``. Should a first probe lose,
+   the next wait doubles from the last request's, so a drafter that did not pay on the requests before
+   costs a new one a probe or two rather than one every few steps. A row drafts only while it can take
+   a drafted token (more than one token to go), and no node deeper than it can take is valued.
 3. **How deep** (:class:`Grow`, proposers that draft depth by depth): each depth is a draft forward
    over rows × width tokens, so the width (``top_k``) shrinks as more rows draft, to the pool's
    ``top_k`` over the rows (at least 1): the rows together read what one row reads at full width (on
@@ -82,6 +87,7 @@ class RowGate:
     open_at: int = 0  # engine step from which the row drafts again
     wait: int = 0  # steps of the last shut-off (0 while drafting pays)
     probing: bool = True  # its next drafted step is a probe (a new request, or after a wait)
+    fresh: bool = True  # not yet judged: a new request's first chance to draft
 
 
 @dataclass
@@ -227,6 +233,13 @@ class AutoPolicy:
             return StepPlan([], None)
         weights = worth(live, self.spread, self.least)
         rows = [st for st in live if step >= st.gate.open_at and _room(st) > 0 and st.rid in weights]
+        fresh = [st for st in rows if st.gate.fresh]
+        for st in fresh:
+            st.gate.fresh = False
+            if not self._likely_pays(st, b, weights[st.rid], len(rows)):
+                self._shut(st.gate, step)
+        if fresh:
+            rows = [st for st in rows if step >= st.gate.open_at]
         if not rows:
             return StepPlan([], None)
         spec = self.pool
@@ -334,19 +347,37 @@ class AutoPolicy:
             per_token = plan.weights.get(st.rid, 1.0) * plain / b  # the seconds one of its tokens saves the batch
             spent = share + (beyond * (len(t) - 1) / drafted if drafted else 0.0)
             expected = sum(self.acceptance.values(st.rid, t)[1:]) * f  # believed after this step
-            self._gate(st.gate, acc * per_token, spent, expected * per_token, step)
+            self._gate(st.gate, acc * per_token, spent, expected * per_token, step, len(t) > 1)
 
-    def _gate(self, g: RowGate, saved: float, spent: float, likely: float, step: int) -> None:
+    def _gate(self, g: RowGate, saved: float, spent: float, likely: float, step: int, chosen: bool) -> None:
         first = g.saved is None or g.probing
         g.saved = saved if first else self.ema * saved + (1 - self.ema) * g.saved
         g.spent = spent if first else self.ema * spent + (1 - self.ema) * g.spent
         g.probing = False
-        if g.saved < g.spent and likely < g.spent:
-            g.wait = min(max(2 * g.wait, self.min_wait), self.max_wait)
-            g.open_at = step + 1 + g.wait
-            g.probing = True
+        if not chosen or (g.saved < g.spent and likely < g.spent):
+            self._shut(g, step)
         else:
             g.wait = 0
+
+    def _shut(self, g: RowGate, step: int) -> None:
+        """The row decodes plainly for a wait that doubles on every shut-off in a row, then probes."""
+        g.wait = min(max(2 * g.wait, self.min_wait), self.max_wait)
+        g.open_at = step + 1 + g.wait
+        g.probing = True
+
+    def _likely_pays(self, st: RequestState, batch: int, weight: float, rows: int) -> bool:
+        """Whether a chain drafted for a new request is expected to save more than its share of the step
+        costs, by the acceptance the engine's requests so far have shown (the shared cells)."""
+        plain = self.verify_time(batch, batch)
+        per_token = weight * plain / batch
+        f, reach, tokens = self.scale(batch), 1.0, 0.0
+        for h in range(1, min(self.pool.depth, _room(st)) + 1):
+            reach *= self.acceptance.reach(st.rid, h)
+            tokens += reach
+            spent = (self.draft.estimate(rows, h, plain) + max(self.verify_time(batch + rows * h, batch) - plain, 0.0)) / rows
+            if tokens * f * per_token >= spent:
+                return True
+        return False
 
     def report(self) -> dict:
         """Per batch size: steps, drafted steps, mean tokens verified per row, and the predicted against

@@ -8,7 +8,7 @@ import torch
 from draftheads.inference.acceptance import AcceptanceModel
 from draftheads.inference.cost import BatchCurves, CostCurve, DraftCost
 from draftheads.inference.engine import Engine, EngineConfig
-from draftheads.inference.policy import AutoPolicy, StepPlan, worth
+from draftheads.inference.policy import AutoPolicy, RowGate, StepPlan, worth
 from draftheads.inference.proposers.base import Proposer, RequestState
 from draftheads.inference.proposers.random_draft import RandomProposer
 from draftheads.inference.sampling import SamplingParams
@@ -310,6 +310,16 @@ def test_a_draft_that_goes_depth_by_depth_narrows_as_more_rows_draft():
         assert all(len(p.drafting) == n for p, n in zip(plans, (1, 2, 3, 4)))
 
 
+def test_a_row_whose_draft_no_node_of_was_worth_verifying_waits_before_drafting_again():
+    """Its mean credit may still be high from steps before, but the acceptance model, having seen this
+    step's draft, valued none of it: drafting it again next step is drafting for nothing."""
+    pol = AutoPolicy(TreeSpec(depth=4, top_k=1, total_tokens=5))
+    for chosen, opens in ((True, 0), (False, 12)):
+        g = RowGate(saved=1.0, spent=0.1, probing=False, fresh=False)
+        pol._gate(g, saved=0.0, spent=0.1, likely=0.0, step=10, chosen=chosen)
+        assert g.open_at == opens and g.probing == (not chosen)
+
+
 class _TurnsGood(Proposer):
     """Drafts a chain of 4 with the same confidence throughout: random tokens before the request has
     ``switch`` tokens, the target's own continuation after (acceptance 0, then about 0.8: the oracle's
@@ -362,18 +372,51 @@ def test_a_request_whose_drafts_turn_good_drafts_again_within_a_bounded_wait(tin
     assert len(after) > 0.5 * (len(out.token_ids) + len(prompt) - after[0]) / 4
 
 
-def test_a_new_request_drafts_at_once_whatever_the_last_one_learnt(tiny_target):
+def _drafted_at(pol):
+    """Spies on ``pol.select``: the lengths of row 0's text at each step it verified a drafted node."""
+    at, select = [], pol.select
+
+    def spy(live, plan, pools, draft_seconds):
+        trees = select(live, plan, pools, draft_seconds)
+        if len(trees[0]) > 1:
+            at.append(len(live[0].tokens))
+        return trees
+
+    pol.select = spy
+    return at
+
+
+def test_a_new_request_drafts_at_once_where_drafting_paid(tiny_target):
     model = tiny_target.model
-    proposer = RandomProposer(model.config.vocab_size)
-    proposer.auto_pool = TreeSpec(depth=2, top_k=1, total_tokens=3)
+    proposer = OracleProposer(model, 4)
+    proposer.auto_pool = TreeSpec(depth=4, top_k=1, total_tokens=5)
     pol = _modelled(proposer)
     engine = Engine(model, proposer=proposer, policy=pol)
     params = SamplingParams(max_new_tokens=30, stop_at_eos=False)
-    (first,) = engine.generate([[5, 6, 7]], params)
-    (out,) = engine.generate([[9, 10, 11]], params)
-    assert out.metrics.drafts >= 1  # its first step is a probe (no plain step is due yet)
-    # but once it loses, it waits as long as the last request last waited: fewer probes than the first
-    assert out.metrics.drafts < first.metrics.drafts
+    engine.generate([[5, 6, 7]], params)
+    at = _drafted_at(pol)
+    engine.generate([[9, 10, 11]], params)
+    assert at[0] == 4  # its first step drafts: the prompt and the token the prefill emitted
+
+
+def test_a_new_request_waits_where_drafting_did_not_pay_and_still_finds_a_good_draft(tiny_target):
+    """A drafter that paid nothing on the requests before does not cost a new request a probe at once
+    (its first draft reads the whole prompt); it waits as long as the last request last waited, then
+    probes, so a prompt on which the drafter is good is found within the longest wait."""
+    model = tiny_target.model
+    bad = _TurnsGood(model, switch=10**6)  # random tokens throughout
+    pol = _modelled(bad)
+    engine = Engine(model, proposer=bad, policy=pol)
+    engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=120, stop_at_eos=False))
+    assert pol.last_wait > 1
+    engine.proposer = good = _TurnsGood(model, switch=0)  # the same policy and acceptance cells
+    good.gen.manual_seed(1)
+    at = _drafted_at(pol)
+    prompt = [9, 10, 11]
+    (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=120, stop_at_eos=False))
+    first = at[0] - len(prompt)  # tokens emitted before its first draft: one per plain step
+    assert 1 < first <= pol.max_wait + 2
+    assert len(at) > 0.5 * (len(out.token_ids) - first) / 4  # from then on it drafts
 
 
 def test_catch_up_after_plain_steps_gives_the_same_drafts(tiny_target):
