@@ -1,6 +1,7 @@
 """``draftheads report``: every results table the docs publish, rendered from the JSON its command wrote.
 
-* Each ``docs/results/**/results.json`` (written by ``draftheads eval``, ``walk`` or ``bench``) gets its
+* Each ``docs/results/**/results.json`` (written by ``draftheads eval``, ``walk``, ``bench`` or
+  ``scripts/bench_train_step.py``) gets its
   ``results.md`` beside it, by that command's own renderer.
 * The README's headline table, between its ``headline`` markers, from the shipped head's ``card.json`` (written
   by the recipe's package and bench stages): τ per mode on the eval and the speedups side by side.
@@ -25,13 +26,17 @@ INCLUDE = re.compile(r"(<!-- results: (\S+) -->\n)(.*?)(<!-- /results -->)", re.
 
 
 def render_results(res: dict) -> str:
-    """The table the command that wrote ``res`` writes beside it (eval, walk or bench)."""
+    """The table the command that wrote ``res`` writes beside it (eval, walk, bench or the training step's)."""
     from draftheads import evaluation
     from draftheads.bench import speed
     from draftheads.inference import replay
 
     if res.get("kind") == "walk":
         return replay.markdown(res)
+    if res.get("kind") == "train_step":
+        from draftheads.bench import train_step
+
+        return train_step.markdown(res)
     return evaluation.markdown(res) if "modes" in res else speed.tables(res)
 
 

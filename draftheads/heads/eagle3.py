@@ -98,14 +98,15 @@ class Eagle3Head(nn.Module):
         w = self.fc.weight
         return (w.unflatten(1, (3, -1)) / self.aux_scale.to(w.dtype)[None, :, None]).flatten(1)
 
-    def forward(self, embeds, hidden, position_ids, mask=None, past_kv=None, cache=None, own_kv=None):
+    def forward(self, embeds, hidden, position_ids, mask=None, past_kv=None, cache=None, own_kv=None, rows=None):
         """One drafting step. embeds, hidden [B, T, H] -> (pre-norm hidden [B, T, H], new (k, v)); the
-        keys as in :meth:`~draftheads.heads.layers.DraftAttention.forward`."""
+        keys and ``rows`` as in :meth:`~draftheads.heads.layers.DraftAttention.forward`."""
         cos, sin = self.rotary(hidden, position_ids)
         layer = self.layers[0]
         if self.config.norm_before_residual:
             hidden = layer.hidden_norm(hidden)
-        return layer(hidden, cos, sin, embeds=embeds, mask=mask, past_kv=past_kv, cache=cache, own_kv=own_kv)
+        return layer(hidden, cos, sin, embeds=embeds, mask=mask, past_kv=past_kv, cache=cache, own_kv=own_kv,
+                     rows=rows)
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden)
@@ -123,21 +124,73 @@ class Eagle3Head(nn.Module):
         position_ids: torch.Tensor,  # [B, T]
         prefix_mask: torch.Tensor,  # additive [B, 1, T, T]: causal within documents
         steps: int | None = None,
+        keep: torch.Tensor | None = None,  # [B, T] bool: the positions whose outputs are needed
     ) -> list[torch.Tensor]:
-        """Unrolled training-time test: the normed outputs [B, T, H] of steps 0..steps-1."""
+        """Unrolled training-time test: the normed outputs [B, T, H] of steps 0..steps-1.
+
+        Step 0's keys and values at every position are every later step's prefix; the rest of a step at
+        t feeds only its own position's later steps. So with ``keep`` (the positions some step's loss
+        scores) everything but step 0's keys and values runs at the kept positions alone (each row's,
+        padded to the row with the most), and the outputs are zero elsewhere: the same values where kept,
+        for the cost of the kept positions."""
         steps = steps or self.config.ttt_steps
         hidden = self.fuse(aux)
-        outs, own_k, own_v = [], [], []
-        prefix_kv = None
-        for j in range(steps):
+        b, t = position_ids.shape
+        if keep is None:
+            rows = back = None
+            at = position_ids
+        else:
+            width = max(int(keep.sum(1).max()), 1)
+            rows = torch.sort(keep.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :width]  # [B, W]
+            back = torch.where(torch.gather(keep, 1, rows), rows, t)[:, :, None]  # a shorter row's padding: past the end
+            prefix_mask = prefix_mask.expand(b, 1, t, prefix_mask.shape[-1]).gather(
+                2, rows[:, None, :, None].expand(-1, 1, -1, prefix_mask.shape[-1]))
+            at = position_ids.gather(1, rows)
+
+        def output(hidden):
+            out = self.normed(hidden)
+            if back is None:
+                return out
+            return out.new_zeros(b, t + 1, out.shape[-1]).scatter(1, back.expand(-1, -1, out.shape[-1]), out)[:, :t]
+
+        hidden, prefix_kv = self.forward(step_embeds(0), hidden, position_ids, mask=prefix_mask, own_kv=([], []),
+                                         rows=rows)
+        outs, own_k, own_v = [output(hidden)], [], []
+        for j in range(1, steps):
             # step j's token at t reads step 0's entries up to t and its own position's entries of steps 1..j
-            if j == 0:
-                hidden, kv = self.forward(step_embeds(0), hidden, position_ids, mask=prefix_mask, own_kv=([], []))
-                prefix_kv = kv
-            else:
-                hidden, kv = self.forward(step_embeds(j), hidden, position_ids + j, mask=prefix_mask,
-                                          past_kv=prefix_kv, own_kv=(own_k, own_v))
-                own_k, own_v = own_k + [kv[0]], own_v + [kv[1]]
-            outs.append(self.normed(hidden))
+            embeds = step_embeds(j)
+            if rows is not None:
+                embeds = embeds.gather(1, rows[:, :, None].expand(-1, -1, embeds.shape[-1]))
+            hidden, kv = self.forward(embeds, hidden, at + j, mask=prefix_mask, past_kv=prefix_kv,
+                                      own_kv=(own_k, own_v))
+            own_k, own_v = own_k + [kv[0]], own_v + [kv[1]]
+            outs.append(output(hidden))
+        return outs
+        b, t = position_ids.shape
+        if keep is None:
+            idx, at = None, position_ids
+        else:
+            width = max(int(keep.sum(1).max()), 1)
+            order = torch.sort(keep.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :width]
+            real = torch.gather(keep, 1, order)  # [B, W]: False on a shorter row's padding
+            idx = order[:, :, None]  # [B, W, 1] the positions each row runs at
+            hidden = hidden.gather(1, idx.expand(-1, -1, hidden.shape[-1]))
+            prefix_mask = prefix_mask.expand(b, 1, t, prefix_mask.shape[-1]).gather(
+                2, order[:, None, :, None].expand(-1, 1, -1, prefix_mask.shape[-1]))
+            at = position_ids.gather(1, order)
+            back = torch.where(real, order, t)[:, :, None]  # padding lands past the end, then cut
+        for j in range(1, steps):
+            # step j's token at t reads step 0's entries up to t and its own position's entries of steps 1..j
+            embeds = step_embeds(j)
+            if idx is not None:
+                embeds = embeds.gather(1, idx.expand(-1, -1, embeds.shape[-1]))
+            hidden, kv = self.forward(embeds, hidden, at + j, mask=prefix_mask, past_kv=prefix_kv,
+                                      own_kv=(own_k, own_v))
+            own_k, own_v = own_k + [kv[0]], own_v + [kv[1]]
+            out = self.normed(hidden)
+            if idx is not None:
+                full = out.new_zeros(b, t + 1, out.shape[-1])
+                out = full.scatter(1, back.expand(-1, -1, out.shape[-1]), out)[:, :t]
+            outs.append(out)
         return outs
 

@@ -191,7 +191,7 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.kvh * self.d, bias=False)
         self.o_proj = nn.Linear(self.h * self.d, spec.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask=None, past_kv=None, cache=None, own_kv=None):
+    def forward(self, x, cos, sin, mask=None, past_kv=None, cache=None, own_kv=None, rows=None):
         """x [B, T, in]; mask additive [B or 1, 1, T, S] over keys (past, new) or None = causal.
         With ``cache`` (a :class:`~draftheads.inference.draft_kv.DraftStep`) the new K/V are written
         there and the keys are the cache's, S of them, instead of ``past_kv``. With
@@ -200,13 +200,22 @@ class DraftAttention(nn.Module):
         of ``own_kv``; without ``past_kv``, ``mask`` covers the new K/V and each query reads its own
         position of ``own_kv`` (``([], [])``: the masked attention over the new K/V, taken in blocks).
 
+        With ``rows`` ([B, R] positions; the masked attention over the new K/V only, ``own_kv=([], [])``)
+        the queries are those positions' alone, ``mask`` [B, 1, R, T] their rows: every position's K/V,
+        the output of the R queried ones.
+
         Returns (out [B, T, H], (k, v)) with k/v [B, kvh, T, D] for the new tokens only.
         """
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kvh, self.d).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kvh, self.d).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k = apply_rope(k, cos, sin)
+        if rows is not None:
+            if own_kv != ([], []) or past_kv is not None:
+                raise ValueError("rows: only the masked attention over the new K/V (own_kv=([], [])) queries a subset")
+            x, cos, sin = (z.gather(1, rows[:, :, None].expand(-1, -1, z.shape[-1])) for z in (x, cos, sin))
+            t = rows.shape[1]
+        q = apply_rope(self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2), cos, sin)
         new_kv = (k, v)
         if own_kv is not None:
             if past_kv is None:
@@ -280,13 +289,15 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
         self.mlp = DraftMLP(spec)
 
-    def forward(self, hidden, cos, sin, embeds=None, mask=None, past_kv=None, cache=None, own_kv=None):
-        residual = hidden
+    def forward(self, hidden, cos, sin, embeds=None, mask=None, past_kv=None, cache=None, own_kv=None, rows=None):
+        """One layer; with ``rows`` ([B, R] positions) K/V at every position and the rest at those alone
+        (see :meth:`DraftAttention.forward`): hidden out [B, R, H]."""
+        residual = hidden if rows is None else hidden.gather(1, rows[:, :, None].expand(-1, -1, hidden.shape[-1]))
         if self.eagle3:
             x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         else:
             x = hidden
-        attn, new_kv = self.self_attn(x, cos, sin, mask=mask, past_kv=past_kv, cache=cache, own_kv=own_kv)
+        attn, new_kv = self.self_attn(x, cos, sin, mask=mask, past_kv=past_kv, cache=cache, own_kv=own_kv, rows=rows)
         hidden = residual + attn
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return hidden, new_kv

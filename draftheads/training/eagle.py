@@ -18,7 +18,7 @@ from draftheads.heads import (
 )
 from draftheads.targets import check_layer_ids
 from draftheads.training.data import doc_causal_mask
-from draftheads.training.losses import eagle3_loss, eagle_loss, future_mask, shift_left
+from draftheads.training.losses import eagle3_loss, eagle_loss, future_mask, shift_left, ttt_targets
 from draftheads.training.module import DraftHeadModule
 
 log = logging.getLogger(__name__)
@@ -193,12 +193,15 @@ class Eagle3Module(DraftHeadModule):
         last = feats[n]
         ids = batch["input_ids"]
         prefix_mask = doc_causal_mask(batch["doc_ids"], dtype=aux.dtype)
+        want = self.in_head_vocab(self.target_argmax(batch, last))
+        scored = ttt_targets(batch["loss_mask"], batch["doc_ids"], want, cfg.ttt_steps)[2]
+        keep = torch.stack(scored).any(0)  # the positions some step scores
         outs = self.head.ttt(
-            aux, lambda j: self.embed(shift_left(ids, 1 + j)).to(aux.dtype), batch["position_ids"], prefix_mask
+            aux, lambda j: self.embed(shift_left(ids, 1 + j)).to(aux.dtype), batch["position_ids"], prefix_mask,
+            keep=keep,
         )
         loss, per_step, accs = eagle3_loss(
             outs, last, batch["loss_mask"], batch["doc_ids"], self.head.lm_head.weight, self.teacher_weight(last.dtype),
-            self.in_head_vocab(self.target_argmax(batch, last)), decay=self.hparams.decay,
-            impl=self.hparams.loss_impl, chunk_size=self.hparams.loss_chunk_size,
+            want, decay=self.hparams.decay, impl=self.hparams.loss_impl, chunk_size=self.hparams.loss_chunk_size,
         )
         return loss, {f"loss_{j + 1}": v for j, v in enumerate(per_step)}, accs

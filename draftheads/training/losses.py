@@ -471,6 +471,15 @@ def eagle_loss(
 TEACHER_CACHE_BYTES = 1 << 30
 
 
+def ttt_targets(loss_mask: torch.Tensor, doc_ids: torch.Tensor, target_argmax_draft: torch.Tensor, steps: int):
+    """Per training-time-test step j, [B, T] each: the positions whose token t + 2 + j is an answer token
+    of the same document, the draft index of the target's argmax there (-1 outside the draft
+    vocabulary), and the positions the loss scores (both)."""
+    masks = [future_mask(loss_mask, doc_ids, 2 + j) for j in range(steps)]
+    wants = [shift_left(target_argmax_draft, 1 + j, fill=-1) for j in range(steps)]
+    return masks, wants, [m & (want >= 0) for m, want in zip(masks, wants)]
+
+
 def eagle3_loss(
     step_outs,  # list of J normed draft outputs [B, T, H]
     features: torch.Tensor,  # [B, T, H_target] target last hidden state (post-norm)
@@ -490,9 +499,7 @@ def eagle3_loss(
     """
     total = features.new_zeros((), dtype=torch.float32)
     losses, accs = [], []
-    masks = [future_mask(loss_mask, doc_ids, 2 + j) for j in range(len(step_outs))]
-    wants = [shift_left(target_argmax_draft, 1 + j, fill=-1) for j in range(len(step_outs))]
-    scored = [m & (want >= 0) for m, want in zip(masks, wants)]
+    masks, wants, scored = ttt_targets(loss_mask, doc_ids, target_argmax_draft, len(step_outs))
     chunk = kw.get("chunk_size", DEFAULT_CHUNK)
     slot = _teacher_slots(scored, teacher_w.shape[0]) if not _use_liger(features, kw.get("impl", "auto")) else None
     if slot is not None:  # [B, T]: the row of the teacher's log-probs table each position reads, -1 if none

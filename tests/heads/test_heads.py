@@ -118,6 +118,51 @@ def test_eagle3_ttt_equals_step_by_step_drafting(monkeypatch, block):
             torch.testing.assert_close(head.normed(hidden)[:, 0], outs[j][:, col])
 
 
+@pytest.mark.parametrize("block", [None, 3])
+def test_eagle3_ttt_at_the_scored_positions_gives_the_same_loss_and_gradients(monkeypatch, block):
+    """Everything but step 0's keys and values runs only where the loss scores some step: rows of two documents (a prompt, then an answer,
+    then a second conversation) and rows with different numbers of kept positions (the shorter padded):
+    the same outputs there, and the same EAGLE-3 loss and gradients as steps run everywhere."""
+    from draftheads.heads import layers
+    from draftheads.training.data import doc_causal_mask
+    from draftheads.training.losses import eagle3_loss, ttt_targets
+
+    if block:
+        monkeypatch.setattr(layers, "OWN_BLOCK", block)
+    g = torch.Generator().manual_seed(5)
+    head = _eagle3().double()
+    b, t, steps = 3, 16, 4
+    doc = torch.tensor([[0] * 9 + [1] * 7, [0] * 16, [0] * 5 + [1] * 8 + [-1] * 3])
+    answer = torch.tensor([[0] * 4 + [1] * 5 + [0] * 2 + [1] * 5, [0] * 3 + [1] * 13, [0] * 2 + [1] * 3 + [0] * 6 + [1] * 2 + [0] * 3])
+    pos = torch.cat([torch.arange(9), torch.arange(7)]).expand(b, t).clone()
+    pos[1], pos[2] = torch.arange(t), torch.cat([torch.arange(5), torch.arange(11)])
+    aux = torch.randn(b, t, 96, generator=g, dtype=torch.float64)
+    emb = torch.randn(steps, b, t, 32, generator=g, dtype=torch.float64)
+    want = torch.randint(-1, 20, (b, t), generator=g)
+    last = torch.randn(b, t, 32, generator=g, dtype=torch.float64)
+    teacher = torch.randn(20, 32, generator=g, dtype=torch.float64)
+    mask = doc_causal_mask(doc, dtype=torch.float64)
+    scored = ttt_targets(answer, doc, want, steps)[2]
+    keep = torch.stack(scored).any(0)
+    assert 0 < keep.sum(1).min() < keep.sum(1).max() < t  # rows padded, positions left out
+
+    def run(kept):
+        head.zero_grad()
+        outs = head.ttt(aux, lambda j: emb[j], pos, mask, steps=steps, keep=kept)
+        loss = eagle3_loss(outs, last, answer, doc, head.lm_head.weight, teacher, want, impl="chunked")[0]
+        loss.backward()
+        return outs, loss, [p.grad.clone() for p in head.parameters() if p.grad is not None]
+
+    (full, loss_full, grads_full), (kept, loss_kept, grads_kept) = run(None), run(keep)
+    for j in range(steps):
+        torch.testing.assert_close(kept[j][keep], full[j][keep])
+        assert kept[j][~keep].abs().max() == 0
+    torch.testing.assert_close(loss_kept, loss_full)
+    assert len(grads_kept) == len(grads_full) > 0
+    for a, w in zip(grads_kept, grads_full):
+        torch.testing.assert_close(a, w)
+
+
 def test_prefix_and_own_attention_equals_one_masked_attention():
     """Blocks of query rows (the last one shorter), GQA, rows of one and of two documents, rows whose
     documents start at the same place (blocks past it read no earlier key), a row and then every row seeing
