@@ -166,31 +166,4 @@ class Eagle3Head(nn.Module):
             own_k, own_v = own_k + [kv[0]], own_v + [kv[1]]
             outs.append(output(hidden))
         return outs
-        b, t = position_ids.shape
-        if keep is None:
-            idx, at = None, position_ids
-        else:
-            width = max(int(keep.sum(1).max()), 1)
-            order = torch.sort(keep.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :width]
-            real = torch.gather(keep, 1, order)  # [B, W]: False on a shorter row's padding
-            idx = order[:, :, None]  # [B, W, 1] the positions each row runs at
-            hidden = hidden.gather(1, idx.expand(-1, -1, hidden.shape[-1]))
-            prefix_mask = prefix_mask.expand(b, 1, t, prefix_mask.shape[-1]).gather(
-                2, order[:, None, :, None].expand(-1, 1, -1, prefix_mask.shape[-1]))
-            at = position_ids.gather(1, order)
-            back = torch.where(real, order, t)[:, :, None]  # padding lands past the end, then cut
-        for j in range(1, steps):
-            # step j's token at t reads step 0's entries up to t and its own position's entries of steps 1..j
-            embeds = step_embeds(j)
-            if idx is not None:
-                embeds = embeds.gather(1, idx.expand(-1, -1, embeds.shape[-1]))
-            hidden, kv = self.forward(embeds, hidden, at + j, mask=prefix_mask, past_kv=prefix_kv,
-                                      own_kv=(own_k, own_v))
-            own_k, own_v = own_k + [kv[0]], own_v + [kv[1]]
-            out = self.normed(hidden)
-            if idx is not None:
-                full = out.new_zeros(b, t + 1, out.shape[-1])
-                out = full.scatter(1, back.expand(-1, -1, out.shape[-1]), out)[:, :t]
-            outs.append(out)
-        return outs
 

@@ -26,11 +26,9 @@ A step, for a batch of ``B`` rows:
    this step, expects the row's tree to save (one unlucky step of a good drafter does not shut it; a
    drafter the model believes in no longer does), the row decodes plainly and probes again after a wait
    that doubles on every losing probe, up to ``max_wait`` steps: a request whose drafts turn good
-   finds out within that bound. A row whose draft had no node worth verifying (step 4) waits as after
-   a losing probe: the acceptance model, having seen that draft's confidence, expects nothing of it.
-   A new request drafts at once if the acceptance the engine's requests have shown so far (the shared
-   cells) expects a chain of some depth to save the batch more than its share of that step's draft and
-   verify; otherwise it waits as long as the last finished request last waited (its first draft also
+   finds out within that bound. A new request drafts at once if the acceptance the engine's requests
+   have shown so far (the shared cells) expects a chain of some depth to save the batch more than its
+   share of that step's draft and verify; otherwise it waits as long as the last finished request last waited (its first draft also
    reads its whole prompt: with a weak drafter at batch 16, twice a plain step) and then probes, so a
    prompt on which the drafter is good is still found within ``max_wait``. Should a first probe lose,
    the next wait doubles from the last request's, so a drafter that did not pay on the requests before
@@ -347,14 +345,14 @@ class AutoPolicy:
             per_token = plan.weights.get(st.rid, 1.0) * plain / b  # the seconds one of its tokens saves the batch
             spent = share + (beyond * (len(t) - 1) / drafted if drafted else 0.0)
             expected = sum(self.acceptance.values(st.rid, t)[1:]) * f  # believed after this step
-            self._gate(st.gate, acc * per_token, spent, expected * per_token, step, len(t) > 1)
+            self._gate(st.gate, acc * per_token, spent, expected * per_token, step)
 
-    def _gate(self, g: RowGate, saved: float, spent: float, likely: float, step: int, chosen: bool) -> None:
+    def _gate(self, g: RowGate, saved: float, spent: float, likely: float, step: int) -> None:
         first = g.saved is None or g.probing
         g.saved = saved if first else self.ema * saved + (1 - self.ema) * g.saved
         g.spent = spent if first else self.ema * spent + (1 - self.ema) * g.spent
         g.probing = False
-        if not chosen or (g.saved < g.spent and likely < g.spent):
+        if g.saved < g.spent and likely < g.spent:
             self._shut(g, step)
         else:
             g.wait = 0

@@ -8,7 +8,7 @@ import torch
 from draftheads.inference.acceptance import AcceptanceModel
 from draftheads.inference.cost import BatchCurves, CostCurve, DraftCost
 from draftheads.inference.engine import Engine, EngineConfig
-from draftheads.inference.policy import AutoPolicy, RowGate, StepPlan, worth
+from draftheads.inference.policy import AutoPolicy, StepPlan, worth
 from draftheads.inference.proposers.base import Proposer, RequestState
 from draftheads.inference.proposers.random_draft import RandomProposer
 from draftheads.inference.sampling import SamplingParams
@@ -310,16 +310,6 @@ def test_a_draft_that_goes_depth_by_depth_narrows_as_more_rows_draft():
         assert all(len(p.drafting) == n for p, n in zip(plans, (1, 2, 3, 4)))
 
 
-def test_a_row_whose_draft_no_node_of_was_worth_verifying_waits_before_drafting_again():
-    """Its mean credit may still be high from steps before, but the acceptance model, having seen this
-    step's draft, valued none of it: drafting it again next step is drafting for nothing."""
-    pol = AutoPolicy(TreeSpec(depth=4, top_k=1, total_tokens=5))
-    for chosen, opens in ((True, 0), (False, 12)):
-        g = RowGate(saved=1.0, spent=0.1, probing=False, fresh=False)
-        pol._gate(g, saved=0.0, spent=0.1, likely=0.0, step=10, chosen=chosen)
-        assert g.open_at == opens and g.probing == (not chosen)
-
-
 class _TurnsGood(Proposer):
     """Drafts a chain of 4 with the same confidence throughout: random tokens before the request has
     ``switch`` tokens, the target's own continuation after (acceptance 0, then about 0.8: the oracle's
@@ -345,33 +335,6 @@ class _TurnsGood(Proposer):
         return Tree([st.root, *tokens], chain_parents(4), scores=[math.log(0.7) * d for d in range(5)])
 
 
-def test_a_request_whose_drafts_turn_good_drafts_again_within_a_bounded_wait(tiny_target):
-    model = tiny_target.model
-    prompt = [5, 6, 7, 8]
-    switch = len(prompt) + 80
-    proposer = _TurnsGood(model, switch)
-    pol = _modelled(proposer)
-    engine = Engine(model, proposer=proposer, policy=pol)
-    drafted_at = []
-    select = pol.select
-
-    def spy(live, plan, pools, draft_seconds):
-        trees = select(live, plan, pools, draft_seconds)
-        if len(trees[0]) > 1:
-            drafted_at.append(len(live[0].tokens))
-        return trees
-
-    pol.select = spy
-    (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=200, stop_at_eos=False))
-    before = [n for n in drafted_at if n < switch]
-    after = [n for n in drafted_at if n >= switch]
-    assert len(before) < 20  # 80 tokens of rejections: probes, further and further apart
-    # the first probe after the switch comes within the longest wait (plus the probe step itself)
-    assert after and after[0] - switch <= pol.max_wait + 1
-    # and from then on it drafts: most tokens come from accepted drafts
-    assert len(after) > 0.5 * (len(out.token_ids) + len(prompt) - after[0]) / 4
-
-
 def _drafted_at(pol):
     """Spies on ``pol.select``: the lengths of row 0's text at each step it verified a drafted node."""
     at, select = [], pol.select
@@ -384,6 +347,24 @@ def _drafted_at(pol):
 
     pol.select = spy
     return at
+
+
+def test_a_request_whose_drafts_turn_good_drafts_again_within_a_bounded_wait(tiny_target):
+    model = tiny_target.model
+    prompt = [5, 6, 7, 8]
+    switch = len(prompt) + 80
+    proposer = _TurnsGood(model, switch)
+    pol = _modelled(proposer)
+    engine = Engine(model, proposer=proposer, policy=pol)
+    drafted_at = _drafted_at(pol)
+    (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=200, stop_at_eos=False))
+    before = [n for n in drafted_at if n < switch]
+    after = [n for n in drafted_at if n >= switch]
+    assert len(before) < 20  # 80 tokens of rejections: probes, further and further apart
+    # the first probe after the switch comes within the longest wait (plus the probe step itself)
+    assert after and after[0] - switch <= pol.max_wait + 1
+    # and from then on it drafts: most tokens come from accepted drafts
+    assert len(after) > 0.5 * (len(out.token_ids) + len(prompt) - after[0]) / 4
 
 
 def test_a_new_request_drafts_at_once_where_drafting_paid(tiny_target):
