@@ -40,7 +40,7 @@ from draftheads.heads.dflash import BLOCK_MASKS
 from draftheads.heads.layers import masked_own_attention, prefix_and_own_attention
 from draftheads.training.data import doc_causal_mask
 from draftheads.training.dflash import sample_anchors
-from draftheads.training.losses import eagle3_loss, linear_cross_entropy, ttt_targets
+from draftheads.training.losses import eagle3_loss, linear_cross_entropy, ttt_scored_positions
 from draftheads.utils import atomic_write_json
 
 HIDDEN, DRAFT_VOCAB = 576, 8192
@@ -102,7 +102,6 @@ class Step:
 
     def __init__(self, dtype, b, t, steps, prompt_share=0.0):
         g = torch.Generator().manual_seed(1)
-        self.steps = steps
         self.head = smollm2_head(steps)
         self.autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
         self.aux, self.emb = torch.randn(b, t, 3 * HIDDEN, generator=g), torch.randn(b, t, HIDDEN, generator=g)
@@ -118,7 +117,7 @@ class Step:
         first = torch.cummax(torch.where(start, idx, 0), 1).values
         length = torch.zeros(b, t, dtype=torch.long).scatter_add_(1, self.doc, torch.ones(b, t, dtype=torch.long))
         self.answer = (idx - first) >= (prompt_share * length.gather(1, self.doc)).long()
-        self.keep = torch.stack(ttt_targets(self.answer, self.doc, self.argmax, steps)[2]).any(0)
+        self.keep = ttt_scored_positions(self.answer, self.doc, self.argmax, steps)
 
     def grads(self, loss_impl: str | None = None, answer: bool = False, kept: bool = False):
         """Gradients of the training-time test's outputs (``loss_impl`` None: a sum of squares) or of the

@@ -211,7 +211,7 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kvh, self.d).transpose(1, 2)
         k = apply_rope(k, cos, sin)
         if rows is not None:
-            if own_kv != ([], []) or past_kv is not None:
+            if past_kv is not None or own_kv is None or own_kv[0]:
                 raise ValueError("rows: only the masked attention over the new K/V (own_kv=([], [])) queries a subset")
             x, cos, sin = (z.gather(1, rows[:, :, None].expand(-1, -1, z.shape[-1])) for z in (x, cos, sin))
             t = rows.shape[1]

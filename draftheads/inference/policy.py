@@ -28,9 +28,9 @@ A step, for a batch of ``B`` rows:
    that doubles on every losing probe, up to ``max_wait`` steps: a request whose drafts turn good
    finds out within that bound. A new request drafts at once if the acceptance the engine's requests
    have shown so far (the shared cells) expects a chain of some depth to save the batch more than its
-   share of that step's draft and verify; otherwise it waits as long as the last finished request last waited (its first draft also
-   reads its whole prompt: with a weak drafter at batch 16, twice a plain step) and then probes, so a
-   prompt on which the drafter is good is still found within ``max_wait``. Should a first probe lose,
+   share of that step's draft and verify; otherwise it waits as long as the last finished request last
+   waited (its first draft also reads its whole prompt: with a weak drafter at batch 16, twice a plain
+   step) and then probes, so a prompt on which the drafter is good is still found within ``max_wait``. Should a first probe lose,
    the next wait doubles from the last request's, so a drafter that did not pay on the requests before
    costs a new one a probe or two rather than one every few steps. A row drafts only while it can take
    a drafted token (more than one token to go), and no node deeper than it can take is valued.
@@ -372,8 +372,8 @@ class AutoPolicy:
         for h in range(1, min(self.pool.depth, _room(st)) + 1):
             reach *= self.acceptance.reach(st.rid, h)
             tokens += reach
-            spent = (self.draft.estimate(rows, h, plain) + max(self.verify_time(batch + rows * h, batch) - plain, 0.0)) / rows
-            if tokens * f * per_token >= spent:
+            verify = max(self.verify_time(batch + rows * h, batch) - plain, 0.0)
+            if tokens * f * per_token >= (self.draft.estimate(rows, h, plain) + verify) / rows:
                 return True
         return False
 

@@ -18,7 +18,7 @@ from draftheads.heads import (
 )
 from draftheads.targets import check_layer_ids
 from draftheads.training.data import doc_causal_mask
-from draftheads.training.losses import eagle3_loss, eagle_loss, future_mask, shift_left, ttt_targets
+from draftheads.training.losses import eagle3_loss, eagle_loss, future_mask, shift_left, ttt_scored_positions
 from draftheads.training.module import DraftHeadModule
 
 log = logging.getLogger(__name__)
@@ -194,8 +194,7 @@ class Eagle3Module(DraftHeadModule):
         ids = batch["input_ids"]
         prefix_mask = doc_causal_mask(batch["doc_ids"], dtype=aux.dtype)
         want = self.in_head_vocab(self.target_argmax(batch, last))
-        scored = ttt_targets(batch["loss_mask"], batch["doc_ids"], want, cfg.ttt_steps)[2]
-        keep = torch.stack(scored).any(0)  # the positions some step scores
+        keep = ttt_scored_positions(batch["loss_mask"], batch["doc_ids"], want, cfg.ttt_steps)
         outs = self.head.ttt(
             aux, lambda j: self.embed(shift_left(ids, 1 + j)).to(aux.dtype), batch["position_ids"], prefix_mask,
             keep=keep,

@@ -480,6 +480,13 @@ def ttt_targets(loss_mask: torch.Tensor, doc_ids: torch.Tensor, target_argmax_dr
     return masks, wants, [m & (want >= 0) for m, want in zip(masks, wants)]
 
 
+def ttt_scored_positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor, target_argmax_draft: torch.Tensor,
+                         steps: int) -> torch.Tensor:
+    """[B, T] bool: the positions the loss of some training-time-test step scores (``Eagle3Head.ttt``'s
+    ``keep``)."""
+    return torch.stack(ttt_targets(loss_mask, doc_ids, target_argmax_draft, steps)[2]).any(0)
+
+
 def eagle3_loss(
     step_outs,  # list of J normed draft outputs [B, T, H]
     features: torch.Tensor,  # [B, T, H_target] target last hidden state (post-norm)

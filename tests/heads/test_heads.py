@@ -125,7 +125,7 @@ def test_eagle3_ttt_at_the_scored_positions_gives_the_same_loss_and_gradients(mo
     the same outputs there, and the same EAGLE-3 loss and gradients as steps run everywhere."""
     from draftheads.heads import layers
     from draftheads.training.data import doc_causal_mask
-    from draftheads.training.losses import eagle3_loss, ttt_targets
+    from draftheads.training.losses import eagle3_loss, ttt_scored_positions
 
     if block:
         monkeypatch.setattr(layers, "OWN_BLOCK", block)
@@ -142,8 +142,7 @@ def test_eagle3_ttt_at_the_scored_positions_gives_the_same_loss_and_gradients(mo
     last = torch.randn(b, t, 32, generator=g, dtype=torch.float64)
     teacher = torch.randn(20, 32, generator=g, dtype=torch.float64)
     mask = doc_causal_mask(doc, dtype=torch.float64)
-    scored = ttt_targets(answer, doc, want, steps)[2]
-    keep = torch.stack(scored).any(0)
+    keep = ttt_scored_positions(answer, doc, want, steps)
     assert 0 < keep.sum(1).min() < keep.sum(1).max() < t  # rows padded, positions left out
 
     def run(kept):
