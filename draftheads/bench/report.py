@@ -1,7 +1,7 @@
 """``draftheads report``: every results table the docs publish, rendered from the JSON its command wrote.
 
-* Each ``docs/results/**/results.json`` (written by ``draftheads eval``, ``walk``, ``bench`` or
-  ``scripts/bench_train_step.py``) gets its
+* Each ``docs/results/**/results.json`` (written by ``draftheads eval``, ``walk``, ``bench``,
+  ``scripts/bench_train_step.py``, or a ``synthesize`` run's ``OUT.stats.json``) gets its
   ``results.md`` beside it, by that command's own renderer.
 * The README's headline table, between its ``headline`` markers, from the shipped head's ``card.json`` (written
   by the recipe's package and bench stages): τ per mode on the eval and the speedups side by side.
@@ -37,6 +37,10 @@ def render_results(res: dict) -> str:
         from draftheads.bench import train_step
 
         return train_step.markdown(res)
+    if "domains" in res and "settings" in res:  # the OUT.stats.json of ``draftheads synthesize``
+        from draftheads.datagen import synthesize
+
+        return synthesize.markdown(res)
     return evaluation.markdown(res) if "modes" in res else speed.tables(res)
 
 

@@ -424,3 +424,22 @@ def diversity_report(records: list[dict], stats: _Stats) -> dict:
             "sample": texts[:3],
         }
     return out
+
+
+def markdown(report: dict) -> str:
+    """The table of a ``synthesize`` run's ``OUT.stats.json``: per domain, what was kept of the candidates,
+    why the others were rejected, and the diversity of what was kept."""
+    s = report.get("settings", {})
+    head = ", ".join(f"{k} {s[k]}" for k in ("target", "num_prompts", "temperature", "top_p", "max_prompt_tokens",
+                                             "multi_turn", "dedup_threshold", "seed") if k in s)
+    lines = [f"{report['total']} prompts kept ({head})" if head else f"{report['total']} prompts kept", "",
+             "| domain | kept / candidates | rejected | near-dup rate | distinct-1 | distinct-2 | distinct-3 | "
+             "mean words | multi-turn | a sample |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for d, v in report["domains"].items():
+        why = ", ".join(f"{k} {n}" for k, n in sorted(v["rejected"].items(), key=lambda kv: -kv[1])) or "-"
+        sample = " ".join(v["sample"][0].split()) if v["sample"] else ""
+        sample = (sample if len(sample) <= 120 else sample[:117].rstrip() + "…").replace("|", "\\|")
+        lines.append(f"| {d} | {v['kept']} / {v['candidates']} | {why} | {v['near_dup_rate']:.3f} | "
+                     f"{v['distinct_1']:.3f} | {v['distinct_2']:.3f} | {v['distinct_3']:.3f} | {v['mean_words']:.1f} | "
+                     f"{v['multi_turn']} | \"{sample}\" |")
+    return "\n".join(lines) + "\n"

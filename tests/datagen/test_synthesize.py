@@ -7,6 +7,7 @@ from draftheads.datagen.synthesize import (
     SynthConfig,
     distinct_n,
     is_request,
+    markdown,
     synthesize,
     user_prefix,
 )
@@ -28,6 +29,20 @@ def test_request_filter_and_diversity():
     assert not is_request("The weather was nice and we walked home.")
     assert distinct_n(["a b c", "a b d"], 1) == 4 / 6
     assert distinct_n(["a b c", "a b c"], 3) == 0.5
+
+
+def test_the_stats_table_names_every_domain_with_its_rejections_most_first():
+    row = {"kept": 3, "candidates": 9, "rejected": {"unfinished": 1, "quota_full": 5}, "near_dup_rate": 0.25,
+           "distinct_1": 0.5, "distinct_2": 0.75, "distinct_3": 1.0, "mean_words": 12.0, "multi_turn": 1,
+           "sample": ["Is a | b the same as\nb | a? " + "x" * 200]}
+    table = markdown({"total": 3, "settings": {"target": "t", "seed": 0}, "domains": {"qa": row}})
+    lines = table.splitlines()
+    assert lines[0] == "3 prompts kept (target t, seed 0)" and len(lines) == 5
+    cells = lines[4].split(" | ")
+    assert cells[:3] == ["| qa", "3 / 9", "quota_full 5, unfinished 1"]
+    assert cells[3:8] == ["0.250", "0.500", "0.750", "1.000", "12.0"]
+    assert lines[4].startswith("| qa |") and "a \\| b the same as b \\| a?" in lines[4]
+    assert lines[4].endswith('…" |') and len(lines[4].split('"')[1]) == 117 + 1 + 2  # cut, the ellipsis, two escapes
 
 
 def test_deduper_catches_exact_and_near_duplicates():
@@ -60,6 +75,9 @@ def test_synthesize_on_the_tiny_target_and_resume(tiny_llama_dir, tmp_path, monk
     assert stats["total"] == 6 and set(stats["domains"]) == {"chat", "summarization"}
     for s in stats["domains"].values():
         assert s["kept"] == 3 and s["candidates"] >= 3 and 0 <= s["distinct_1"] <= 1
+    assert [r.split(" | ")[:2] for r in markdown(stats).splitlines()[4:]] == [
+        ["| chat", f"3 / {stats['domains']['chat']['candidates']}"],
+        ["| summarization", f"3 / {stats['domains']['summarization']['candidates']}"]]
     # resume: a rerun of an interrupted run continues after its last finished round
     out2 = tmp_path / "q.jsonl"
     from draftheads.datagen import synthesize as mod
