@@ -37,7 +37,7 @@ demo: $(STAMP)
 reference-head: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(VENV)/bin/draftheads recipe run recipes/smollm2-135m.yaml $(REFERENCE_ARGS)
 
-# vLLM serving the exported heads, compared with our engine (own venv: .venv-vllm, 3.4 GB; a fresh clone took 53 min on 2 CPU cores).
+# vLLM serving the exported heads, compared with our engine (own venv: .venv-vllm, 3.4 GB).
 vllm-check: $(STAMP)
 	bash scripts/vllm_check.sh $(VLLM_CHECK_ARGS)
 

@@ -29,7 +29,12 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from draftheads.datagen.backends import engines_markdown
+from draftheads.evaluation import machine
+from draftheads.utils import atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -123,28 +128,6 @@ def feature_agreement(target, feature_dir: Path) -> dict:
             "argmax_agreement": same / max(total, 1), "tokens": total}
 
 
-def table(res: dict) -> str:
-    t, s, f = res["text"], res["speed"], res["features"]
-    lines = [f"{t['prompts']} prompts (`bundled:train`, {res['per_domain']} per domain), {res['max_new_tokens']} new "
-             f"tokens at most, T = 0, batch {res['batch_size']}, fp32", "",
-             "| | draftheads engine | vLLM |", "|---|---|---|",
-             f"| conversations identical | {t['identical']}/{t['prompts']} | |",
-             f"| new tokens/s (text only) | {s['draftheads']['tok_s']:.1f} | {s['vllm']['tok_s']:.1f} |",
-             f"| new tokens/s with eagle3 features | {s['draftheads_features']['tok_s']:.1f} | "
-             f"{s['vllm_features']['tok_s']:.1f} |",
-             f"| text with features = text without | {t['identical_with_capture_ours']}/{t['prompts']} | "
-             f"{t['identical_with_capture']}/{t['prompts']} |", "",
-             "| layer | vLLM vs our forward: max abs diff / max abs | bf16 rounding of our own |", "|---|---|---|"]
-    for layer in f["layers"]:
-        lines.append(f"| {layer} | {f['max_rel_err'][str(layer)]:.2e} | {f['bf16_floor'][str(layer)]:.2e} |")
-    lines.append(f"\ntarget greedy next token (`target_argmax`) equal on {f['argmax_agreement']:.4%} of "
-                 f"{f['tokens']} tokens")
-    for d in t["divergences"]:
-        lines.append(f"- {d['id']} turn {d['turn']}, token {d['token']}: top-2 logit gap {d['top2_gap']:.2e} "
-                     f"(ours {d['ours']!r}, vLLM {d['vllm']!r})")
-    return "\n".join(lines) + "\n"
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--per-domain", type=int, default=10)
@@ -172,9 +155,11 @@ def main() -> int:
                     "identical_with_capture_ours": sum(ours[k] == ours_featured[k] for k in ours),
                     "divergences": divergences(target, ours, theirs)},
            "features": feature_agreement(target, out / "vllm-features.features")}
-    (out / "results.json").write_text(json.dumps(res, indent=2))
-    text = table(res)
-    (out / "results.md").write_text(text)
+    res = {"command": "python scripts/vllm_distill_check.py " + " ".join(sys.argv[1:]),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), **res}
+    atomic_write_json(out / "results.json", res)
+    text = engines_markdown(res)
+    atomic_write_text(out / "results.md", text)
     print(text)
     return 0
 

@@ -3,12 +3,13 @@ tables under docs/results/ and the README's headline. A number typed by hand, or
 the pages rendered again, fails here."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
-from draftheads.bench.report import CARD, report
+from draftheads.bench.report import CARD, END, INCLUDE, START, report
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = sorted((ROOT / "docs/results").rglob("results.json"))
@@ -17,6 +18,41 @@ RUNS = sorted((ROOT / "docs/results").rglob("results.json"))
 def test_every_committed_table_is_its_json_rendered():
     assert len(RUNS) >= 7
     assert report(ROOT, write=False) == []
+
+
+TYPED = re.compile(r"\d\.\d+ ?[x×]|τ \d")  # a speedup or a τ
+
+
+def typed(text: str) -> list[str]:
+    """The lines of ``text`` outside its results markers that state a speedup or a τ."""
+    return [line for line in INCLUDE.sub("", text).splitlines() if TYPED.search(line)]
+
+
+def test_every_results_page_quotes_its_numbers_from_json():
+    """A page under docs/results is a run's rendered results.md, or a dated folder's README.md that quotes its
+    runs between results markers and types no speedup or τ of its own."""
+    for page in sorted((ROOT / "docs/results").rglob("*.md")):
+        if page.name == "results.md":
+            assert page.with_name("results.json").is_file(), page
+            continue
+        assert page.name == "README.md" and any(page.parent.rglob("results.json")), page
+        assert typed(page.read_text()) == [], page
+
+
+def test_no_topic_page_types_a_speedup_or_tau():
+    """The README (outside its rendered headline) and every topic page quote runs only between results markers."""
+    readme = (ROOT / "README.md").read_text()
+    before, rest = readme.split(START.format(card=CARD), 1)
+    assert typed(before + rest.split(END, 1)[1]) == []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        assert typed(page.read_text()) == [], page
+
+
+def test_a_typed_speedup_outside_the_markers_is_seen():
+    run = RUNS[0].relative_to(ROOT)
+    quoted = f"<!-- results: {run} -->\n| chain3 | 1.54x | τ 2.07 |\n<!-- /results -->\n"
+    assert typed(quoted + "Prose without numbers.\n") == []
+    assert typed(quoted + "auto ran at 1.38× there.\n") == ["auto ran at 1.38× there."]
 
 
 @pytest.fixture
@@ -53,3 +89,12 @@ def test_a_topic_page_quotes_a_run_between_results_markers(copy):
     text = page.read_text()
     assert "9.99x" not in text and (copy / run).with_name("results.md").read_text() in text
     assert text.endswith("<!-- /results -->\n\nAfter.\n") and report(copy, write=False) == []
+
+
+def test_the_readme_quotes_a_run_between_results_markers(copy):
+    readme = copy / "README.md"
+    text = readme.read_text()
+    m = INCLUDE.search(text)
+    assert m, "the README quotes vLLM serving the shipped head from its serve-check JSON"
+    readme.write_text(text[: m.start(3)] + "| typed | 9.99x |\n" + text[m.end(3):])
+    assert report(copy) == [readme] and readme.read_text() == text

@@ -1,12 +1,13 @@
 """``draftheads report``: every results table the docs publish, rendered from the JSON its command wrote.
 
-* Each ``docs/results/**/results.json`` (written by ``draftheads eval``, ``walk``, ``bench``,
-  ``scripts/bench_train_step.py``, or a ``synthesize`` run's ``OUT.stats.json``) gets its
-  ``results.md`` beside it, by that command's own renderer.
+* Each ``docs/results/**/results.json`` (written by ``draftheads eval``, ``walk``, ``bench``, ``serve-check``,
+  ``scripts/bench_train_step.py``, ``scripts/vllm_distill_check.py``, a recipe's ablation, or a ``synthesize``
+  run's ``OUT.stats.json``) gets its ``results.md`` beside it, by that command's own renderer.
 * The README's headline table, between its ``headline`` markers, from the shipped head's ``card.json`` (written
   by the recipe's package and bench stages): τ per mode on the eval and the speedups side by side.
-* In any page under ``docs/``, between ``<!-- results: PATH -->`` and ``<!-- /results -->`` markers, the table of
-  the run whose JSON is at ``PATH`` (relative to the checkout), so a topic page quotes a run without typing it.
+* In the README and any page under ``docs/``, between ``<!-- results: PATH -->`` and ``<!-- /results -->``
+  markers, the table of the run whose JSON is at ``PATH`` (relative to the checkout), so a page quotes a run
+  without typing it.
 
 ``--check`` renders without writing and fails on any difference, as the tests do: no number is typed by hand.
 """
@@ -26,17 +27,30 @@ INCLUDE = re.compile(r"(<!-- results: (\S+) -->\n)(.*?)(<!-- /results -->)", re.
 
 
 def render_results(res: dict) -> str:
-    """The table the command that wrote ``res`` writes beside it (eval, walk, bench or the training step's)."""
+    """The table the command that wrote ``res`` writes beside it (eval, walk, bench, serve-check, synthesize or
+    the training step's)."""
     from draftheads import evaluation
     from draftheads.bench import speed
     from draftheads.inference import replay
 
+    if res.get("kind") == "ablation":
+        from draftheads.recipe import ablation
+
+        return ablation.markdown(res)
     if res.get("kind") == "walk":
         return replay.markdown(res)
     if res.get("kind") == "train_step":
         from draftheads.bench import train_step
 
         return train_step.markdown(res)
+    if "formats" in res and "vllm_version" in res:  # ``draftheads serve-check``
+        from draftheads.export import serve_check
+
+        return serve_check.markdown(res)
+    if "speed" in res and "features" in res and "text" in res:  # ``scripts/vllm_distill_check.py``
+        from draftheads.datagen.backends import engines_markdown
+
+        return engines_markdown(res)
     if "domains" in res and "settings" in res:  # the OUT.stats.json of ``draftheads synthesize``
         from draftheads.datagen import synthesize
 
@@ -86,15 +100,15 @@ def report(root: Path, write: bool = True) -> list[Path]:
     out = {}
     for res in sorted((root / "docs/results").rglob("results.json")):
         out[res.with_name("results.md")] = render_results(json.loads(res.read_text()))
-    for page in sorted((root / "docs").rglob("*.md")):
-        if page.name != "results.md":
+    readme = root / "README.md"
+    for page in [readme, *sorted((root / "docs").rglob("*.md"))]:
+        if page.name != "results.md" and page.is_file():
             text = page.read_text()
             if INCLUDE.search(text):
                 out[page] = render_includes(text, root)
     card = root / CARD
     if card.is_file():
-        readme = root / "README.md"
-        out[readme] = render_readme(readme.read_text(), json.loads(card.read_text()), CARD)
+        out[readme] = render_readme(out.get(readme) or readme.read_text(), json.loads(card.read_text()), CARD)
     changed = [p for p, text in out.items() if not p.is_file() or p.read_text() != text]
     if write:
         for p in changed:

@@ -316,3 +316,28 @@ def make_backend(engine: str, target, out: Path, batch_size: int, max_seq_len: i
                           num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, feature_dtype=feature_dtype,
                           **{k: v for k, v in opts.items() if k in known})
     return backend, tok, spec, opts.get("dtype", "float32")
+
+
+def engines_markdown(res: dict) -> str:
+    """The table of ``scripts/vllm_distill_check.py``'s ``results.json``: the two engines on the same prompts
+    (text, speed, and vLLM's captured features against the project's forward)."""
+    t, s, f = res["text"], res["speed"], res["features"]
+    head = f"`{res['command']}` ({res['date']}, {res['machine']['cpu_count']} CPUs)\n\n" if "command" in res else ""
+    lines = [f"{head}{t['prompts']} prompts (`bundled:train`, {res['per_domain']} per domain), {res['max_new_tokens']} new "
+             f"tokens at most, T = 0, batch {res['batch_size']}, fp32", "",
+             "| | draftheads engine | vLLM |", "|---|---|---|",
+             f"| conversations identical | {t['identical']}/{t['prompts']} | |",
+             f"| new tokens/s (text only) | {s['draftheads']['tok_s']:.1f} | {s['vllm']['tok_s']:.1f} |",
+             f"| new tokens/s with eagle3 features | {s['draftheads_features']['tok_s']:.1f} | "
+             f"{s['vllm_features']['tok_s']:.1f} |",
+             f"| text with features = text without | {t['identical_with_capture_ours']}/{t['prompts']} | "
+             f"{t['identical_with_capture']}/{t['prompts']} |", "",
+             "| layer | vLLM vs our forward: max abs diff / max abs | bf16 rounding of our own |", "|---|---|---|"]
+    for layer in f["layers"]:
+        lines.append(f"| {layer} | {f['max_rel_err'][str(layer)]:.2e} | {f['bf16_floor'][str(layer)]:.2e} |")
+    lines.append(f"\ntarget greedy next token (`target_argmax`) equal on {f['argmax_agreement']:.4%} of "
+                 f"{f['tokens']} tokens")
+    for d in t["divergences"]:
+        lines.append(f"- {d['id']} turn {d['turn']}, token {d['token']}: top-2 logit gap {d['top2_gap']:.2e} "
+                     f"(ours {d['ours']!r}, vLLM {d['vllm']!r})")
+    return "\n".join(lines) + "\n"

@@ -11,7 +11,10 @@ Prompts arrive as token ids so both engines see exactly the same input. One requ
 import argparse
 import json
 import os
+import sys
 import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def counters(llm) -> dict:
@@ -38,6 +41,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
+    # Run as a script, this file's folder comes first on sys.path, where the sibling vllm.py would shadow vLLM.
+    sys.path[:] = [d for d in sys.path if os.path.abspath(d or os.curdir) != HERE]
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

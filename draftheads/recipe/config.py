@@ -158,6 +158,59 @@ class Scaling:
 
 
 @dataclass
+class Arm:
+    """One arm of the ablation: the first head's config with these overrides."""
+
+    name: str
+    """names the arm and its directory (``ablation/<name>``)"""
+    model: dict = field(default_factory=dict)
+    """overrides of the model init_args, e.g. {ttt_steps: 3}"""
+    trainer: dict = field(default_factory=dict)
+    """overrides of the trainer"""
+    data: dict = field(default_factory=dict)
+    """overrides of the data section"""
+
+
+@dataclass
+class Ablation:
+    """Arms of the first head trained for the same optimizer steps on the same rows from the same start, each
+    ranked by walked τ (``draftheads walk``) on the eval's prompts; one stage per arm (``ablation-<name>``),
+    the table rendered again as each lands."""
+
+    arms: list[Arm] = field(default_factory=list)
+    """the arms; the first is the baseline the others are read against"""
+    steps: int = 400
+    """optimizer steps of every arm"""
+    val_every: int = 100
+    """optimizer steps between validations"""
+    modes: list[str] = field(default_factory=lambda: ["chain3", "small"])
+    """walked modes"""
+    limit_per_domain: int = 12
+    """eval prompts per domain walked"""
+
+    def check(self) -> None:
+        if not self.arms:
+            raise RecipeError("ablation.arms", "is empty: give at least one arm (a name, and overrides)")
+        _at_least(self, "steps", 1, "ablation")
+        _at_least(self, "val_every", 1, "ablation")
+        _at_least(self, "limit_per_domain", 1, "ablation")
+        names = [a.name for a in self.arms]
+        for i, n in enumerate(names):
+            if not n or not all(c.isalnum() or c in "-_." for c in n):
+                raise RecipeError(f"ablation.arms.{i}.name", f"{n!r}: use letters, digits, '-', '_' or '.'")
+            if n in names[:i]:
+                raise RecipeError(f"ablation.arms.{i}.name", f"{n!r} names another arm too: give each its own")
+        from draftheads.options import check_modes
+
+        if not self.modes or "auto" in self.modes:
+            raise RecipeError("ablation.modes", f"{self.modes}: give fixed trees to walk (chain3, small, medium, ...)")
+        try:
+            check_modes(tuple(self.modes), "ablation.modes")
+        except DraftheadsError as e:
+            raise DraftheadsError(f"recipe field {e}") from None
+
+
+@dataclass
 class Package:
     """The first head in bfloat16 with its card, written only when it measures better than the one there."""
 
@@ -200,6 +253,7 @@ class Recipe:
     eval: Eval = field(default_factory=Eval)
     bench: Bench | None = None
     scaling: Scaling | None = None
+    ablation: Ablation | None = None
     serve: Serve | None = None
     package: Package | None = None
 
@@ -212,6 +266,8 @@ class Recipe:
         for i, h in enumerate(self.heads):
             h.check(f"heads.{i}")
         self.eval.check()
+        if self.ablation:
+            self.ablation.check()
         if self.package and self.package.mode not in self.eval.modes:
             raise RecipeError("package.mode", f"{self.package.mode!r} is not among eval.modes {self.eval.modes}: "
                                               "add it there or choose one of them")

@@ -15,17 +15,17 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from draftheads.errors import DraftheadsError
+from draftheads.recipe import ablation, scaling
 from draftheads.recipe import package as pkg
-from draftheads.recipe import scaling
 from draftheads.recipe.config import Head, Recipe, RecipeError
 from draftheads.recipe.runner import Stage, Step
-from draftheads.utils import atomic_write_bytes, atomic_write_json, shown_from
+from draftheads.utils import atomic_write_bytes, atomic_write_json, atomic_write_text, shown_from
 
-LOADS_TARGET = ("synthesize", "distill", "cache-features", "export", "eval", "bench", "serve-check")
+LOADS_TARGET = ("synthesize", "distill", "cache-features", "export", "eval", "walk", "bench", "serve-check")
 """The ``draftheads`` commands of the stages that load the target (and so take ``--device``)."""
 HEAD_READERS = ("export", "eval", "package", "bench", "serve")
 """The stages made from the first head alone: made again when its last round is to be made (``compare``
@@ -349,6 +349,8 @@ class Plan:
             out.append(self.compare_stage(fit))
         if r.scaling:
             out.append(self.scaling_stage())
+        if r.ablation:
+            out.extend(self.ablation_stages())
         if r.serve:
             out.append(self.serve_stage(fit))
         return out
@@ -403,6 +405,33 @@ class Plan:
         return Stage("scaling", self.root / "scaling/scaling.json", steps, after=self._scaling,
                      needs=(self.inputs, "train"), also=[self.root / "scaling", self.root / "main/eval-chain3"],
                      describe="validation accuracy and chain-3 τ against training tokens at equal compute")
+
+    def ablation_stages(self) -> list[Stage]:
+        """One stage per arm: the first head with the arm's overrides, trained for the ablation's steps from
+        the same start, then walked; each renders the table of the arms finished so far."""
+        a, head = self.recipe.ablation, self.recipe.head
+        trainer = {"max_steps": a.steps, "max_epochs": -1, "val_check_interval": a.val_every,
+                   "check_val_every_n_epoch": None}
+        out = []
+        for arm in a.arms:
+            where = self.root / "ablation" / arm.name
+            h = replace(head, rounds=[], model={**head.model, **arm.model}, trainer={**head.trainer, **arm.trainer},
+                        data={**head.data, **arm.data})
+            steps = [self.fit_step(f"ablation {arm.name}", where, h, trainer=trainer),
+                     self.walk_step(f"ablation walk {arm.name}", where / "head", where / "walk", a.modes,
+                                    a.limit_per_domain)]
+            out.append(Stage(f"ablation-{arm.name}", where / "walk/results.json", steps, after=self._ablation,
+                             needs=(self.inputs,), also=[where],
+                             describe=f"{arm.name}: {a.steps} steps, walked {','.join(a.modes)}"))
+        return out
+
+    def walk_step(self, label: str, head: str | Path, out: Path, modes: list[str], per_domain: int) -> Step:
+        e = self.recipe.eval
+        prompts = e.prompts if e.prompts.startswith("bundled:") else str(self.path(e.prompts))
+        return Step(label, self.dh("walk", "--target", self.recipe.target, "--head", head, "--prompts", prompts,
+                                   "--limit-per-domain", per_domain, "--max-new-tokens", e.max_new_tokens,
+                                   "--tree", ",".join(modes), "--out", out),
+                    done=out / "results.json")
 
     def scaling_points(self) -> list[tuple[float, str]]:
         fractions = sorted(self.recipe.scaling.fractions) + [1.0]
@@ -500,6 +529,14 @@ class Plan:
         atomic_write_json(out / "scaling.json", points)
         if self.recipe.package:
             pkg.card_scaling(self.packaging(), self.features, say)
+
+    def _ablation(self, times: dict, say) -> None:
+        a, out = self.recipe.ablation, self.root / "ablation"
+        rows = [ablation.row(arm, out / arm.name) for arm in a.arms if (out / arm.name / "walk/results.json").is_file()]
+        res = ablation.results(self.recipe, rows, shown_from(out, Path.cwd()))
+        atomic_write_json(out / "results.json", res)
+        atomic_write_text(out / "results.md", ablation.markdown(res))
+        say(f"ablation: {len(rows)} of {len(a.arms)} arms in {self.shown(out / 'results.md')}")
 
 
 def flags(options: dict) -> list[str]:

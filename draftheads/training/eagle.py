@@ -16,7 +16,7 @@ from draftheads.heads import (
     LayerSpec,
     default_aux_layer_ids,
 )
-from draftheads.targets import check_layer_ids
+from draftheads.targets import check_layer_ids, decoder_parts
 from draftheads.training.data import doc_causal_mask
 from draftheads.training.losses import eagle3_loss, eagle_loss, future_mask, shift_left, ttt_scored_positions
 from draftheads.training.module import DraftHeadModule
@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 
 AUX_SCALES = ("median", "rms", "none")
+NORM_INITS = ("ones", "target")
 
 
 def feature_scale(states: torch.Tensor, how: str) -> torch.Tensor:
@@ -104,6 +105,7 @@ class Eagle3Module(DraftHeadModule):
         aux_scale: str = "median",
         freeze_lm_head: bool = False,
         intermediate_size: int | None = None,
+        norm_init: str = "ones",
         **kwargs,
     ):
         """
@@ -122,6 +124,9 @@ class Eagle3Module(DraftHeadModule):
             intermediate_size: MLP width of the draft layer (default: the target's). With ``init_head``, a
                 larger one widens that head's MLP, the new units starting with no effect on its output, so
                 training goes on from the same function with more capacity.
+            norm_init: the start of the head's final norm, before its lm_head: ``ones`` or ``target`` (the
+                target's own final-norm weights, which its lm_head rows, the draft lm_head's start, are read
+                after).
             **kwargs: see :class:`DraftHeadModule`.
         """
         super().__init__(**kwargs)
@@ -130,6 +135,8 @@ class Eagle3Module(DraftHeadModule):
             raise DraftheadsError(f"model.aux_scale={aux_scale!r}: use one of {list(AUX_SCALES)}")
         if intermediate_size is not None and intermediate_size < 1:
             raise DraftheadsError(f"model.intermediate_size={intermediate_size} must be >= 1 (or unset: the target's)")
+        if norm_init not in NORM_INITS:
+            raise DraftheadsError(f"model.norm_init={norm_init!r}: use one of {', '.join(NORM_INITS)}")
 
     def build_head(self, info, datamodule):
         hp = self.hparams
@@ -148,6 +155,8 @@ class Eagle3Module(DraftHeadModule):
         with torch.no_grad():
             if hp.aux_scale != "none":
                 head.aux_scale.copy_(self._aux_scale(datamodule, ids, hp.aux_scale))
+            if hp.norm_init == "target":
+                head.norm.weight.copy_(decoder_parts(self.target)[2].weight)
         head.lm_head.weight.requires_grad_(not hp.freeze_lm_head)
         log.warning("aux hidden-state scale (%s, fc input): %s", hp.aux_scale,
                     [round(float(x), 2) for x in head.aux_scale])

@@ -50,8 +50,13 @@ def state_dict_without(module: torch.nn.Module, child: str, state_dict, *args, *
         module.__dict__["_modules"] = modules
 
 
-def warmup_cosine(step: int, total: int, warmup_ratio: float, floor: float) -> float:
-    """Learning-rate factor: linear warmup over ``warmup_ratio`` of ``total`` steps, then cosine to ``floor``."""
+def warmup_cosine(step: int, total: int, warmup_ratio: float, floor: float, restarts: int = 0) -> float:
+    """Learning-rate factor: linear warmup over ``warmup_ratio`` of ``total`` steps, then cosine to ``floor``;
+    with ``restarts``, the ``total`` steps run that many more equal cycles, each warmed up to the peak again
+    (warm restarts)."""
+    if restarts:
+        cycle = max(total // (restarts + 1), 1)
+        step, total = (step % cycle if step < cycle * (restarts + 1) else step - cycle * restarts), cycle
     warm = int(round(warmup_ratio * total))
     if step < warm:
         return (step + 1) / warm
@@ -78,6 +83,8 @@ class DraftHeadModule(L.LightningModule):
         loss_impl: str = "auto",
         loss_chunk_size: int = 1024,
         val_answer_window: int = 128,
+        train_answer_window: int = 0,
+        lr_restarts: int = 0,
         trust_remote_code: bool = False,
     ):
         """
@@ -103,6 +110,10 @@ class DraftHeadModule(L.LightningModule):
                 each answer, the part a ``--max-new-tokens`` evaluation of that length drafts for (long
                 answers end in repetitive text a draft predicts easily, which lifts the overall figure);
                 0 turns it off.
+            train_answer_window: training scores only the first this many tokens of each answer (0: every
+                answer token), the part an evaluation of that length drafts for.
+            lr_restarts: the schedule's steps run in this many more equal cycles, each warmed up to ``lr``
+                and decayed again (warm restarts; 0: one schedule).
             trust_remote_code: allow custom modeling code for hub targets.
         """
         super().__init__()
@@ -119,6 +130,10 @@ class DraftHeadModule(L.LightningModule):
                                   "$CXX, g++, c++, clang++ found): install one, or use model.loss_impl: chunked")
         if val_answer_window < 0:
             raise DraftheadsError(f"model.val_answer_window={val_answer_window} must be >= 0 (0: off)")
+        if train_answer_window < 0:
+            raise DraftheadsError(f"model.train_answer_window={train_answer_window} must be >= 0 (0: every answer token)")
+        if lr_restarts < 0:
+            raise DraftheadsError(f"model.lr_restarts={lr_restarts} must be >= 0 (0: one schedule)")
         if head_dir:  # checked now, not after the training it would end
             check_output_dir(head_dir, "head", names=HEAD_FILES, flag="model.head_dir",
                              fix="delete it first to replace it")
@@ -269,6 +284,8 @@ class DraftHeadModule(L.LightningModule):
     def training_step(self, batch, batch_idx):
         if self._t0 is None:
             self._t0 = time.perf_counter()
+        if n := self.hparams.train_answer_window:
+            batch = {**batch, "loss_mask": answer_window(batch["loss_mask"], batch["doc_ids"], n)}
         loss, logs, accs = self.compute_loss(batch)
         if not torch.isfinite(loss):
             ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "none yet"
@@ -327,7 +344,8 @@ class DraftHeadModule(L.LightningModule):
         total = max(int(self.trainer.estimated_stepping_batches), 1)
 
         def factor(step: int) -> float:
-            return warmup_cosine(step, total, self.hparams.warmup_ratio, self.hparams.min_lr_ratio)
+            return warmup_cosine(step, total, self.hparams.warmup_ratio, self.hparams.min_lr_ratio,
+                                 self.hparams.lr_restarts)
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

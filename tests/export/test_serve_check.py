@@ -70,3 +70,52 @@ def test_dspark_runs_on_vllms_v2_runner_with_triton_interpreted_on_cpu(monkeypat
         env.update(extra, PYTHONPATH=str(mod.V2_ON_CPU_PATH))
         out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == want
+
+
+FAKE_VLLM = '''
+__version__ = "fake"
+
+
+class SamplingParams:
+    def __init__(self, temperature=1.0, max_tokens=16, ignore_eos=False):
+        self.max_tokens = max_tokens
+
+
+class _Out:
+    def __init__(self, ids):
+        self.outputs = [type("Completion", (), {"token_ids": ids, "text": " ".join(map(str, ids))})()]
+
+
+class LLM:
+    def __init__(self, **kwargs):
+        self.spec = kwargs.get("speculative_config")
+
+    def generate(self, prompts, params, use_tqdm=False):
+        return [_Out([p["prompt_token_ids"][-1] + i for i in range(params.max_tokens)]) for p in prompts]
+
+    def get_metrics(self):
+        return []
+'''
+
+
+def test_the_vllm_side_imports_vllm_not_the_export_module_beside_it(tmp_path):
+    """vllm_run.py runs as a script from draftheads/export/, next to draftheads/export/vllm.py: it must still
+    import the vLLM of its environment (here a stand-in), and write the rows it generated."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm/__init__.py").write_text(FAKE_VLLM)
+    (tmp_path / "vllm/inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n"
+                                             "    return {'prompt_token_ids': prompt_token_ids}\n")
+    (tmp_path / "prompts.json").write_text(json.dumps([[1, 2, 3], [7]]))
+    script = Path(serve_check.__file__).with_name("vllm_run.py")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    subprocess.run([sys.executable, str(script), "--target", "t", "--prompts", str(tmp_path / "prompts.json"),
+                    "--max-tokens", "3", "--out", str(tmp_path / "out.json")], env=env, check=True, cwd=tmp_path)
+    res = json.loads((tmp_path / "out.json").read_text())
+    assert res["vllm_version"] == "fake" and res["spec"] is None
+    assert [r["token_ids"] for r in res["rows"]] == [[3, 4, 5], [7, 8, 9]]

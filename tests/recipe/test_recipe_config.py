@@ -236,3 +236,74 @@ def test_a_head_naming_layers_the_target_lacks_is_one_line(tmp_path):
     assert "has 4 layers" in str(e.value) and "\n" not in str(e.value)
     head["model"]["aux_layer_ids"] = [1, 2, 3]
     assert run_recipe(str(_write(tmp_path, target=str(tiny), heads=[head])), dry_run=True, cwd=tmp_path) == 0
+
+
+def test_each_ablation_arm_is_a_stage_of_equal_steps_with_its_overrides_then_walked(tmp_path):
+    arms = [{"name": "base"}, {"name": "ttt3", "model": {"ttt_steps": 3}},
+            {"name": "crop", "model": {"train_answer_window": 128}, "trainer": {"gradient_clip_val": 1.0}}]
+    heads = [{"family": "eagle3", "config": EAGLE3, "rounds": [2], "model": {"lr": 5e-4}}]
+    plan = Plan(load_recipe(_write(tmp_path, heads=heads, ablation={"arms": arms, "steps": 40, "val_every": 20})),
+                tmp_path, "cmd")
+    stages = [s for s in plan.stages() if s.name.startswith("ablation")]
+    assert [s.name for s in stages] == ["ablation-base", "ablation-ttt3", "ablation-crop"]
+    configs = {}
+    for s in stages:
+        fit, walk = s.steps
+        assert s.needs == ("features",) and walk.argv[1] == "walk"
+        assert walk.argv[walk.argv.index("--tree") + 1] == "chain3,small"
+        fit.prepare()
+        configs[s.name] = yaml.safe_load((tmp_path / "run/ablation" / s.name[9:] / "train.yaml").read_text())
+    for cfg in configs.values():  # the same steps, validations and start for every arm; no warm restarts
+        tr = cfg["trainer"]
+        assert (tr["max_steps"], tr["max_epochs"], tr["val_check_interval"], tr["check_val_every_n_epoch"]) == \
+            (40, -1, 20, None)
+        assert cfg["model"]["init_args"]["lr"] == 5e-4 and "init_head" not in cfg["model"]["init_args"]
+        assert cfg["seed_everything"] == configs["ablation-base"]["seed_everything"]
+    assert configs["ablation-ttt3"]["model"]["init_args"]["ttt_steps"] == 3
+    assert configs["ablation-base"]["model"]["init_args"]["ttt_steps"] == 5
+    assert configs["ablation-crop"]["model"]["init_args"]["train_answer_window"] == 128
+    assert configs["ablation-crop"]["trainer"]["gradient_clip_val"] == 1.0
+    for bad, where in (({"arms": []}, "ablation.arms"), ({"arms": [{"name": "a"}, {"name": "a"}]}, "ablation.arms.1.name"),
+                       ({"arms": [{"name": "a"}], "modes": ["auto"]}, "ablation.modes")):
+        with pytest.raises(DraftheadsError, match=f"recipe field {where}"):
+            load_recipe(_write(tmp_path, ablation=bad))
+
+
+def test_the_ablation_table_reads_each_arm_against_the_first():
+    from draftheads.recipe import ablation
+
+    def arm(name, tau, acc, **over):
+        return {"name": name, "overrides": {"model": over} if over else {}, "command": f"train-head fit {name}",
+                "walk_command": f"draftheads walk {name}", "walked_tau": {"chain3": tau, "small": tau + 0.5},
+                "val_acc": acc, "val_window": 128, "val_window_acc": [a - 0.1 for a in acc], "tok_s": 900.4}
+
+    res = {"recipe": "r", "head_config": "c.yaml", "steps": 400, "modes": ["chain3", "small"], "prompts": "bundled:eval",
+           "limit_per_domain": 12, "max_new_tokens": 128, "date": "d",
+           "arms": [arm("base", 2.0, [0.7, 0.6]), arm("ttt3", 2.1, [0.72, 0.61], ttt_steps=3)]}
+    lines = ablation.markdown(res).splitlines()
+    assert lines[2].startswith("| arm | overrides | walked τ chain3 | walked τ small | val top-1 per step (first 128")
+    assert lines[4] == "| base | (the config as it is) | 2.000 | 2.500 | 0.600 / 0.500 | 0.700 / 0.600 | 900 |"
+    assert lines[5].startswith("| ttt3 | ttt_steps: 3 | 2.100 (+5.0 %) | 2.600 (+4.0 %) |")
+    assert "- ttt3: `train-head fit ttt3`; `draftheads walk ttt3`" in lines
+
+
+def test_the_ablation_table_is_rendered_again_from_the_arms_finished_so_far(tmp_path):
+    from draftheads.bench.report import render_results
+
+    arms = [{"name": "base"}, {"name": "norm", "model": {"norm_init": "target"}}]
+    plan = Plan(load_recipe(_write(tmp_path, ablation={"arms": arms})), tmp_path, "cmd")
+    done = tmp_path / "run/ablation/base"
+    (done / "head").mkdir(parents=True)
+    (done / "head/config.json").write_text(json.dumps({"val_accuracies": [0.7, 0.6], "val_answer_window": 128,
+                                                        "val_window_accuracies": [0.6, 0.5]}))
+    (done / "walk").mkdir()
+    (done / "walk/results.json").write_text(json.dumps({"command": "draftheads walk ...", "modes": {
+        m: {"overall": {"tau": t, "alpha": [0.5]}} for m, t in (("chain3", 2.0), ("small", 2.4))}}))
+    (done / "train/csv/version_0").mkdir(parents=True)
+    (done / "train/csv/version_0/metrics.csv").write_text("step,train/tok_s,val/loss\n1,800.0,\n2,,3.1\n3,850.5,\n")
+    stage = next(s for s in plan.stages() if s.name == "ablation-base")
+    stage.after({}, lambda m: None)
+    res = json.loads((tmp_path / "run/ablation/results.json").read_text())
+    assert [a["name"] for a in res["arms"]] == ["base"] and res["arms"][0]["tok_s"] == 850.5
+    assert res["arms"][0]["walked_tau"] == {"chain3": 2.0, "small": 2.4}
+    assert render_results(res) == (tmp_path / "run/ablation/results.md").read_text()

@@ -273,6 +273,16 @@ def test_warmup_is_a_ratio_of_the_steps():
     assert warmup_cosine(0, 50, 0.0, 0.2) == pytest.approx(1.0)
 
 
+def test_warm_restarts_run_equal_cycles_each_warmed_up_again():
+    from draftheads.training.module import warmup_cosine
+
+    one = [warmup_cosine(s, 50, 0.1, 0.1) for s in range(50)]
+    two = [warmup_cosine(s, 100, 0.1, 0.1, restarts=1) for s in range(100)]
+    assert two == pytest.approx(one + one)  # two cycles of 50 steps, each warmed up to the peak again
+    assert max(one) == pytest.approx(1.0) and one[-1] < 0.2
+    assert warmup_cosine(120, 100, 0.1, 0.1, restarts=1) == pytest.approx(0.1)  # past the end: the floor
+
+
 def test_compiled_chunks_equal_the_eager_ones():
     """impl="compiled": CE, KL (from a teacher's inputs and from a table of its log-probs) and the block
     loss give the eager chunked path's loss, gradients, argmax and acceptance, with a last chunk shorter

@@ -266,3 +266,49 @@ def test_config_under_moves_every_output_path(path, tmp_path):
     assert "runs/" not in yaml.safe_dump({k: cfg[k] for k in ("trainer", "model")})
     assert cfg["model"]["init_args"]["head_dir"] == str(tmp_path / "run/head")
     assert cfg["data"]["feature_dir"] == str(tmp_path / "features") and cfg["trainer"]["max_epochs"] == 1
+
+
+def test_the_head_norm_starts_at_ones_or_at_the_targets_final_norm(workdir):
+    from draftheads.errors import DraftheadsError
+    from draftheads.targets import decoder_parts, freeze, load_target
+    from draftheads.training import Eagle3Module
+
+    dm = ChatDataModule(train_files=[str(workdir / "data.jsonl")], target=str(workdir / "tiny"), max_length=96,
+                        val_fraction=0.2, batch_size=4)
+    loaded = load_target(str(workdir / "tiny"))
+    norm = decoder_parts(loaded.model)[2].weight
+    with torch.no_grad():
+        norm.copy_(torch.linspace(0.5, 1.5, norm.numel()))  # a trained target's norm is not all ones
+    for how, want in (("ones", torch.ones_like(norm)), ("target", norm)):
+        module = Eagle3Module(target=str(workdir / "tiny"), ttt_steps=2, aux_layer_ids=[1, 2, 3],
+                              draft_vocab_size=384, norm_init=how)
+        module.target, module.info = freeze(loaded.model), loaded.info
+        head = module.build_head(loaded.info, dm)
+        torch.testing.assert_close(head.norm.weight.detach(), want.detach())
+    with pytest.raises(DraftheadsError, match="model.norm_init='zeros': use one of ones, target"):
+        Eagle3Module(target=str(workdir / "tiny"), norm_init="zeros")
+
+
+def test_training_scores_only_the_answer_window_it_is_given(workdir, monkeypatch):
+    from draftheads.training import Eagle3Module
+    from draftheads.training.data import answer_window
+
+    seen = []
+
+    def loss(self, batch):
+        seen.append(batch["loss_mask"].clone())
+        return torch.zeros((), requires_grad=True), {}, []
+
+    monkeypatch.setattr(Eagle3Module, "compute_loss", loss)
+    monkeypatch.setattr(Eagle3Module, "log", lambda *a, **k: None)
+    monkeypatch.setattr(Eagle3Module, "lr_schedulers", lambda self: None)
+    dm = ChatDataModule(train_files=[str(workdir / "data.jsonl")], target=str(workdir / "tiny"), max_length=96,
+                        val_fraction=0.2, batch_size=4)
+    dm.setup()
+    batch = dm._collate([dm.train_set[i] for i in range(4)])
+    for n in (0, 3):
+        Eagle3Module(target=str(workdir / "tiny"), train_answer_window=n).training_step(batch, 0)
+    full, window = seen
+    assert torch.equal(full, batch["loss_mask"])
+    assert torch.equal(window, answer_window(batch["loss_mask"], batch["doc_ids"], 3))
+    assert 0 < window.sum() < full.sum()

@@ -1,0 +1,82 @@
+"""The ablation table of a recipe's first head: arms trained for the same optimizer steps on the same rows from
+the same start, each ranked by walked τ (the eval's greedy τ replayed in minutes, ``draftheads walk``) beside
+its validation accuracy and its training rate. ``draftheads report`` renders a committed ``results.json``."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+
+
+def row(arm, where: Path) -> dict:
+    """One finished arm (``where``: its directory, holding ``train.yaml``, ``head/`` and ``walk/``)."""
+    meta = json.loads((where / "head/config.json").read_text())
+    walk = json.loads((where / "walk/results.json").read_text())
+    overrides = {k: v for k, v in (("model", arm.model), ("trainer", arm.trainer), ("data", arm.data)) if v}
+    return {"name": arm.name, "overrides": overrides, "command": f"train-head fit --config {where / 'train.yaml'}",
+            "walk_command": walk["command"],
+            "walked_tau": {m: r["overall"]["tau"] for m, r in walk["modes"].items()},
+            "walked_alpha": {m: r["overall"]["alpha"] for m, r in walk["modes"].items()},
+            "val_acc": meta.get("val_accuracies"), "val_window": meta.get("val_answer_window"),
+            "val_window_acc": meta.get("val_window_accuracies"), "val_window_sim_tau": meta.get("val_window_sim_tau"),
+            "tok_s": train_rate(where / "train")}
+
+
+def train_rate(root: Path) -> float | None:
+    """The fit's last logged ``train/tok_s`` (padded target tokens per second since the fit's process began,
+    its validations included), from the CSV logger's latest version under ``root``."""
+    files = sorted(root.glob("**/metrics.csv"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        return None
+    with files[-1].open() as f:
+        rates = [float(r["train/tok_s"]) for r in csv.DictReader(f) if r.get("train/tok_s")]
+    return rates[-1] if rates else None
+
+
+def results(recipe, rows: list[dict], out: Path) -> dict:
+    from draftheads.evaluation import machine
+
+    a, e = recipe.ablation, recipe.eval
+    return {"kind": "ablation", "recipe": recipe.name, "head_config": recipe.head.config, "steps": a.steps,
+            "val_every": a.val_every, "modes": a.modes, "prompts": e.prompts, "limit_per_domain": a.limit_per_domain,
+            "max_new_tokens": e.max_new_tokens, "out": str(out), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "machine": machine(), "arms": rows}
+
+
+def _overrides(o: dict) -> str:
+    flat = [f"{k}: {json.dumps(v)}" for part in o.values() for k, v in part.items()]
+    return ", ".join(flat) or "(the config as it is)"
+
+
+def _steps(acc: list[float] | None) -> str:
+    return " / ".join(f"{x:.3f}" for x in acc) if acc else "–"
+
+
+def markdown(res: dict) -> str:
+    """The arms side by side: walked τ per mode (and against the first arm), validation top-1 per TTT step
+    over each answer's first tokens and over whole answers, the training rate and the command."""
+    modes, arms = res["modes"], res["arms"]
+    base = arms[0]["walked_tau"] if arms else {}
+    window = next((r["val_window"] for r in arms if r.get("val_window")), None)
+    lines = [f"`{res['recipe']}` ({res['head_config']}), ablation arms of {res['steps']} optimizer steps each, from "
+             f"the same start on the same rows; walked τ on `{res['prompts']}` ({res['limit_per_domain']} prompts "
+             f"per domain, {res['max_new_tokens']} new tokens, T = 0); train tok/s: padded target tokens per second "
+             f"over the fit, its validations included; rendered {res['date']} with {len(arms)} arms done", "",
+             "| arm | overrides | " + " | ".join(f"walked τ {m}" for m in modes) + " | "
+             + (f"val top-1 per step (first {window} tokens) | " if window else "")
+             + "val top-1 per step | train tok/s |", "|---" * (len(modes) + 4 + bool(window)) + "|"]
+    for r in arms:
+        taus = []
+        for m in modes:
+            tau = r["walked_tau"].get(m)
+            delta = f" ({100 * (tau / base[m] - 1):+.1f} %)" if r is not arms[0] and tau and base.get(m) else ""
+            taus.append(f"{tau:.3f}{delta}" if tau is not None else "–")
+        rate = f"{r['tok_s']:.0f}" if r.get("tok_s") else "–"
+        lines.append(f"| {r['name']} | {_overrides(r['overrides'])} | " + " | ".join(taus) + " | "
+                     + (f"{_steps(r.get('val_window_acc'))} | " if window else "")
+                     + f"{_steps(r.get('val_acc'))} | {rate} |")
+    lines += ["", "Commands (each arm's `train.yaml` is the config with its overrides and paths under the run):", ""]
+    lines += [f"- {r['name']}: `{r['command']}`; `{r['walk_command']}`" for r in arms]
+    return "\n".join(lines) + "\n"
