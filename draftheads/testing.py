@@ -127,7 +127,8 @@ def save_tiny_llama(out: str | Path, seed: int = 0, chat_template: bool = True, 
 
 
 def random_heads(model, seed: int = 0, draft_vocab_size: int = 64) -> dict:
-    """Randomly initialised Medusa, EAGLE-1, EAGLE-3, DFlash and DSpark heads shaped for ``model``."""
+    """Randomly initialised Medusa, EAGLE-1, EAGLE-3 (one and two decoder layers), DFlash and DSpark heads shaped
+    for ``model``."""
     from draftheads.heads import (
         DFlashConfig,
         DFlashHead,
@@ -161,6 +162,9 @@ def random_heads(model, seed: int = 0, draft_vocab_size: int = 64) -> dict:
     for head in heads.values():
         for p in head.parameters():
             torch.nn.init.normal_(p, std=0.1)
+    heads["eagle3_deep"] = Eagle3Head(replace(heads["eagle3"].config, num_layers=2))  # vLLM's stacked layers
+    for p in heads["eagle3_deep"].parameters():
+        torch.nn.init.normal_(p, std=0.1)
     for name in ("dflash", "dspark"):  # the same over the draft vocabulary, with its own lm_head
         heads[f"{name}_vocab"] = head = type(heads[name])(replace(heads[name].config, draft_vocab_size=draft_vocab_size))
         for p in head.parameters():
@@ -170,6 +174,8 @@ def random_heads(model, seed: int = 0, draft_vocab_size: int = 64) -> dict:
     with torch.no_grad():
         heads["eagle3"].d2t.copy_(dv.d2t)
         heads["eagle3"].t2d.copy_(dv.t2d)
+        heads["eagle3_deep"].d2t.copy_(dv.d2t)
+        heads["eagle3_deep"].t2d.copy_(dv.t2d)
         heads["dflash_vocab"].d2t.copy_(dv.d2t)
         heads["dspark_vocab"].d2t.copy_(dv.d2t)
     return {k: h.eval() for k, h in heads.items()}

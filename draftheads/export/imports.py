@@ -184,9 +184,14 @@ def import_eagle(src: Path) -> EagleHead:
 def _eagle3_from(w: dict, layer: LayerSpec, vocab: int, draft_vocab: int, aux, target_hidden, norm_before_residual,
                  src) -> Eagle3Head:
     w = {re.sub(r"^midlayer\.", "layers.0.", k): v for k, v in w.items()}
-    w = {k: v for k, v in w.items() if not k.startswith("embed_tokens.") and "rotary" not in k}
+    # as many decoder layers as the weights hold (a config may carry its target's num_hidden_layers)
+    num_layers = 1 + max((int(m[1]) for k in w if (m := re.match(r"^layers\.(\d+)\.", k))), default=0)
+    # the later layers' hidden_norm, which vLLM's model holds and only the first layer reads
+    unread = re.compile(r"^layers\.[1-9]\d*\.hidden_norm\.")
+    w = {k: v for k, v in w.items() if not k.startswith("embed_tokens.") and "rotary" not in k and not unread.match(k)}
     head = Eagle3Head(Eagle3Config(layer=layer, vocab_size=vocab, draft_vocab_size=draft_vocab, aux_layer_ids=aux,
-                                   target_hidden_size=target_hidden, norm_before_residual=norm_before_residual))
+                                   target_hidden_size=target_hidden, norm_before_residual=norm_before_residual,
+                                   num_layers=num_layers))
     d2t = w.get("d2t")
     if d2t is not None and int((torch.arange(d2t.numel()) + d2t).max()) >= vocab:
         raise DraftheadsError(f"{src}: d2t does not hold offsets into a vocabulary of {vocab}")

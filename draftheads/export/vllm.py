@@ -49,7 +49,12 @@ _LAYER_KEYS = [
 
 
 def _layer_state(head) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in head.state_dict().items() if k.startswith("layers.0.")}
+    """The decoder layers' weights; vLLM's EAGLE-3 model gives every layer a ``hidden_norm``, which only its
+    first reads, so the later layers' are written as ones."""
+    out = {k: v for k, v in head.state_dict().items() if k.startswith("layers.")}
+    for i in range(1, len(head.layers)):
+        out[f"layers.{i}.hidden_norm.weight"] = torch.ones_like(head.layers[0].hidden_norm.weight)
+    return out
 
 
 def llama_dict(head, diff: bool = False) -> dict:
@@ -77,6 +82,7 @@ def eagle3_config(head, extra: dict | None = None) -> dict:
     cfg = llama_dict(head)
     cfg.update({
         "architectures": ["LlamaForCausalLMEagle3"],
+        "num_hidden_layers": c.num_layers,
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
@@ -152,6 +158,7 @@ def speculators_config(head, verifier: str, verifier_arch: list[str], k: int) ->
     c = head.config
     layer_cfg = llama_dict(head, diff=True)
     layer_cfg["architectures"] = ["LlamaForCausalLM"]
+    layer_cfg["num_hidden_layers"] = c.num_layers
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -187,19 +194,19 @@ def medusa_expected(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype |
     return out
 
 
-def _decoder_layer_expected(layer: dict, attn_in: int) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+def _decoder_layer_expected(layer: dict, attn_in: int, i: int = 0) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
     h, inter = layer["hidden_size"], layer["intermediate_size"]
     heads, kvh = layer["num_attention_heads"], layer["num_key_value_heads"]
     d = layer.get("head_dim") or h // heads
     return {
-        "layers.0.self_attn.q_proj.weight": ((heads * d, attn_in), None),
-        "layers.0.self_attn.k_proj.weight": ((kvh * d, attn_in), None),
-        "layers.0.self_attn.v_proj.weight": ((kvh * d, attn_in), None),
-        "layers.0.self_attn.o_proj.weight": ((h, heads * d), None),
-        "layers.0.mlp.gate_proj.weight": ((inter, h), None),
-        "layers.0.mlp.up_proj.weight": ((inter, h), None),
-        "layers.0.mlp.down_proj.weight": ((h, inter), None),
-        "layers.0.post_attention_layernorm.weight": ((h,), None),
+        f"layers.{i}.self_attn.q_proj.weight": ((heads * d, attn_in), None),
+        f"layers.{i}.self_attn.k_proj.weight": ((kvh * d, attn_in), None),
+        f"layers.{i}.self_attn.v_proj.weight": ((kvh * d, attn_in), None),
+        f"layers.{i}.self_attn.o_proj.weight": ((h, heads * d), None),
+        f"layers.{i}.mlp.gate_proj.weight": ((inter, h), None),
+        f"layers.{i}.mlp.up_proj.weight": ((inter, h), None),
+        f"layers.{i}.mlp.down_proj.weight": ((h, inter), None),
+        f"layers.{i}.post_attention_layernorm.weight": ((h,), None),
     }
 
 
@@ -211,11 +218,13 @@ def eagle_expected(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype | 
 def _eagle3_expected(cfg: dict, layer: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
     h = layer["hidden_size"]
     vd, ht, vocab = cfg["draft_vocab_size"], cfg["target_hidden_size"], layer["vocab_size"]
+    layers = {}
+    for i in range(layer.get("num_hidden_layers") or 1):  # the first reads (embedding, fused states): 2H
+        layers |= {**_decoder_layer_expected(layer, 2 * h if i == 0 else h, i),
+                   f"layers.{i}.input_layernorm.weight": ((h,), None), f"layers.{i}.hidden_norm.weight": ((h,), None)}
     return {
-        **_decoder_layer_expected(layer, 2 * h),
+        **layers,
         "fc.weight": ((h, 3 * ht), None),
-        "layers.0.input_layernorm.weight": ((h,), None),
-        "layers.0.hidden_norm.weight": ((h,), None),
         "norm.weight": ((h,), None),
         "lm_head.weight": ((vd, h), None),
         "d2t": ((vd,), torch.int64),

@@ -3,8 +3,9 @@
 Features from three target layers (HF hidden-state ids, default ``(2, L//2, L-3)``) are concatenated
 and fused by ``fc`` (3H -> H, no bias) into g_t. Decoder layer 0 attends over
 ``cat(input_layernorm(embed(x_{t+1})), hidden_norm(g_t))`` (2H) with g_t as its residual; a final
-``norm`` and an own ``lm_head`` over a draft vocabulary (``d2t``/``t2d``) give logits. The layer's
-pre-norm output is the hidden input of the next drafting step.
+``norm`` and an own ``lm_head`` over a draft vocabulary (``d2t``/``t2d``) give logits. With
+``num_layers`` > 1, Llama decoder layers follow layer 0 (as vLLM's EAGLE-3 model stacks them); the last
+layer's pre-norm output is the hidden input of the next drafting step.
 
 Step j (0-based) at position t reads embed(x_{t+1+j}) and predicts x_{t+2+j}; its position id is t+j.
 During training, step j attends to step 0's keys causally (the target-feature prefix) and to steps
@@ -48,6 +49,8 @@ class Eagle3Config:
     """Training-time-test unroll length."""
     norm_before_residual: bool = False
     """Residual is hidden_norm(g) instead of g (vLLM flag of the same name)."""
+    num_layers: int = 1
+    """Decoder layers: layer 0 reads (embedding, g), the others are Llama layers over its output."""
 
     def __post_init__(self):
         if isinstance(self.layer, dict):
@@ -63,6 +66,8 @@ class Eagle3Config:
             raise DraftheadsError(f"eagle3 draft_vocab_size={self.draft_vocab_size} must be in 1..vocab_size")
         if self.ttt_steps < 1:
             raise DraftheadsError(f"eagle3 ttt_steps={self.ttt_steps} must be >= 1")
+        if self.num_layers < 1:
+            raise DraftheadsError(f"eagle3 num_layers={self.num_layers} must be >= 1")
 
     @property
     def hidden_size(self) -> int:
@@ -77,7 +82,8 @@ class Eagle3Head(nn.Module):
         self.config = config
         h = config.hidden_size
         self.fc = nn.Linear(3 * config.target_hidden_size, h, bias=False)
-        self.layers = nn.ModuleList([DraftDecoderLayer(config.layer, eagle3=True)])
+        self.layers = nn.ModuleList([DraftDecoderLayer(config.layer, eagle3=True)] + [
+            DraftDecoderLayer(config.layer, eagle3=False, input_norm=True) for _ in range(config.num_layers - 1)])
         self.norm = RMSNorm(h, config.layer.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
@@ -98,18 +104,47 @@ class Eagle3Head(nn.Module):
         w = self.fc.weight
         return (w.unflatten(1, (3, -1)) / self.aux_scale.to(w.dtype)[None, :, None]).flatten(1)
 
-    def forward(self, embeds, hidden, position_ids, mask=None, past_kv=None, cache=None, own_kv=None, rows=None):
-        """One drafting step. embeds, hidden [B, T, H] -> (pre-norm hidden [B, T, H], new (k, v)); the
-        keys and ``rows`` as in :meth:`~draftheads.heads.layers.DraftAttention.forward`."""
+    def forward(self, embeds, hidden, position_ids, mask=None, past_kv=None, cache=None, own_kv=None, rows=None,
+                every_mask=None):
+        """One drafting step. embeds, hidden [B, T, H] -> (pre-norm hidden [B, T, H], new (k, v) per layer);
+        the keys and ``rows`` as in :meth:`~draftheads.heads.layers.DraftAttention.forward`, per layer:
+        ``past_kv`` a list of (k, v), ``own_kv`` a list of (keys, values) lists (``([], [])`` alone: each
+        layer's masked attention over its new K/V), ``cache`` a
+        :class:`~draftheads.inference.draft_kv.DraftStep`. With ``rows`` the layers before the last run at
+        every position under ``every_mask`` (the last one's K/V read their outputs) and the last at those
+        rows alone under ``mask``."""
         cos, sin = self.rotary(hidden, position_ids)
-        layer = self.layers[0]
         if self.config.norm_before_residual:
-            hidden = layer.hidden_norm(hidden)
-        return layer(hidden, cos, sin, embeds=embeds, mask=mask, past_kv=past_kv, cache=cache, own_kv=own_kv,
-                     rows=rows)
+            hidden = self.layers[0].hidden_norm(hidden)
+        fresh = own_kv is not None and not isinstance(own_kv, list)
+        new, last = [], len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            hidden, kv = layer(hidden, cos, sin, embeds=embeds if i == 0 else None,
+                               mask=mask if rows is None or i == last else every_mask,
+                               past_kv=None if past_kv is None else past_kv[i],
+                               cache=None if cache is None else cache.at(i),
+                               own_kv=([], []) if fresh else None if own_kv is None else own_kv[i],
+                               rows=rows if i == last else None)
+            new.append(kv)
+        return hidden, new
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden)
+
+    @torch.no_grad()
+    def deepen(self, num_layers: int) -> None:
+        """Grow to ``num_layers`` layers without changing the function: each new Llama layer starts with its
+        ``o_proj`` and ``down_proj`` at zero, a residual that passes its input through (and trains from the
+        first step on, through those two projections' gradients)."""
+        if num_layers < len(self.layers):
+            raise DraftheadsError(f"num_layers {num_layers} is below the head's {len(self.layers)}: a head only deepens")
+        like = self.fc.weight
+        while len(self.layers) < num_layers:
+            layer = DraftDecoderLayer(self.config.layer, eagle3=False, input_norm=True).to(like.device, like.dtype)
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+            self.layers.append(layer)
+        self.config.num_layers = num_layers
 
     def projection(self, target_lm_head: torch.Tensor | None = None) -> torch.Tensor:
         return self.lm_head.weight
@@ -136,6 +171,7 @@ class Eagle3Head(nn.Module):
         steps = steps or self.config.ttt_steps
         hidden = self.fuse(aux)
         b, t = position_ids.shape
+        every_mask = prefix_mask
         if keep is None:
             rows = back = None
             at = position_ids
@@ -154,16 +190,15 @@ class Eagle3Head(nn.Module):
             return out.new_zeros(b, t + 1, out.shape[-1]).scatter(1, back.expand(-1, -1, out.shape[-1]), out)[:, :t]
 
         hidden, prefix_kv = self.forward(step_embeds(0), hidden, position_ids, mask=prefix_mask, own_kv=([], []),
-                                         rows=rows)
-        outs, own_k, own_v = [output(hidden)], [], []
+                                         rows=rows, every_mask=every_mask)
+        outs, own = [output(hidden)], [([], []) for _ in self.layers]
         for j in range(1, steps):
             # step j's token at t reads step 0's entries up to t and its own position's entries of steps 1..j
             embeds = step_embeds(j)
             if rows is not None:
                 embeds = embeds.gather(1, rows[:, :, None].expand(-1, -1, embeds.shape[-1]))
-            hidden, kv = self.forward(embeds, hidden, at + j, mask=prefix_mask, past_kv=prefix_kv,
-                                      own_kv=(own_k, own_v))
-            own_k, own_v = own_k + [kv[0]], own_v + [kv[1]]
+            hidden, kv = self.forward(embeds, hidden, at + j, mask=prefix_mask, past_kv=prefix_kv, own_kv=own)
+            own = [(k + [new[0]], v + [new[1]]) for (k, v), new in zip(own, kv)]
             outs.append(output(hidden))
         return outs
 

@@ -276,14 +276,17 @@ class DraftDecoderLayer(nn.Module):
     * EAGLE-1 (``eagle3=False``): input ``x`` [B, T, H]; no ``input_layernorm`` (identity).
     * EAGLE-3 (``eagle3=True``): inputs ``embeds`` and ``hidden``, each [B, T, H]; attention reads
       ``cat(input_layernorm(embeds), hidden_norm(hidden))`` (2H), the residual is ``hidden``.
+    * A Llama layer (``input_norm=True``): attention reads ``input_layernorm(x)``; an EAGLE-3 head's layers
+      after its first.
     """
 
-    def __init__(self, spec: LayerSpec, eagle3: bool):
+    def __init__(self, spec: LayerSpec, eagle3: bool, input_norm: bool = False):
         super().__init__()
-        self.eagle3 = eagle3
+        self.eagle3, self.input_norm = eagle3, input_norm and not eagle3
         h = spec.hidden_size
-        if eagle3:
+        if eagle3 or input_norm:
             self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        if eagle3:
             self.hidden_norm = RMSNorm(h, spec.rms_norm_eps)
         self.self_attn = DraftAttention(spec, 2 * h if eagle3 else h)
         self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
@@ -296,7 +299,7 @@ class DraftDecoderLayer(nn.Module):
         if self.eagle3:
             x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         else:
-            x = hidden
+            x = self.input_layernorm(hidden) if self.input_norm else hidden
         attn, new_kv = self.self_attn(x, cos, sin, mask=mask, past_kv=past_kv, cache=cache, own_kv=own_kv, rows=rows)
         hidden = residual + attn
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))

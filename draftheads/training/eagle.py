@@ -106,6 +106,7 @@ class Eagle3Module(DraftHeadModule):
         freeze_lm_head: bool = False,
         intermediate_size: int | None = None,
         norm_init: str = "ones",
+        num_layers: int | None = None,
         **kwargs,
     ):
         """
@@ -127,6 +128,10 @@ class Eagle3Module(DraftHeadModule):
             norm_init: the start of the head's final norm, before its lm_head: ``ones`` or ``target`` (the
                 target's own final-norm weights, which its lm_head rows, the draft lm_head's start, are read
                 after).
+            num_layers: decoder layers of the head (default 1): layer 0 reads (embedding, fused target
+                states), the others are Llama layers over its output, as vLLM's EAGLE-3 model stacks them.
+                With ``init_head``, more layers than that head's deepen it, each new layer starting as a
+                residual that passes its input through, so training goes on from the same function.
             **kwargs: see :class:`DraftHeadModule`.
         """
         super().__init__(**kwargs)
@@ -135,6 +140,8 @@ class Eagle3Module(DraftHeadModule):
             raise DraftheadsError(f"model.aux_scale={aux_scale!r}: use one of {list(AUX_SCALES)}")
         if intermediate_size is not None and intermediate_size < 1:
             raise DraftheadsError(f"model.intermediate_size={intermediate_size} must be >= 1 (or unset: the target's)")
+        if num_layers is not None and num_layers < 1:
+            raise DraftheadsError(f"model.num_layers={num_layers} must be >= 1 (or unset: 1, or the init_head's)")
         if norm_init not in NORM_INITS:
             raise DraftheadsError(f"model.norm_init={norm_init!r}: use one of {', '.join(NORM_INITS)}")
 
@@ -149,7 +156,7 @@ class Eagle3Module(DraftHeadModule):
         head = Eagle3Head(Eagle3Config(
             layer=layer, vocab_size=info.vocab_size,
             draft_vocab_size=vocab.size, aux_layer_ids=ids, target_hidden_size=info.hidden_size,
-            ttt_steps=hp.ttt_steps,
+            ttt_steps=hp.ttt_steps, num_layers=hp.num_layers or 1,
         ))
         self.install_draft_vocab(head, vocab)
         with torch.no_grad():
@@ -175,6 +182,13 @@ class Eagle3Module(DraftHeadModule):
             for layer in head.layers:
                 layer.mlp.widen(width)
             head.config.layer = replace(head.config.layer, intermediate_size=width)
+        deep = self.hparams.num_layers
+        if deep and deep != len(head.layers):
+            if deep < len(head.layers):
+                raise DraftheadsError(f"model.num_layers={deep} is below the init_head's {len(head.layers)}: a head "
+                                      "only deepens; leave it unset to keep the head's layers")
+            log.warning("deepening the head from %d to %d decoder layers", len(head.layers), deep)
+            head.deepen(deep)
         return head
 
     @torch.no_grad()

@@ -30,6 +30,14 @@ def heads(tiny_target):
     hs["eagle3"].aux_scale.copy_(torch.tensor([2.0, 30.0, 700.0]))  # exports must fold it into fc
     from dataclasses import replace
 
+    from draftheads.heads import Eagle3Head
+
+    hs["eagle3_deep"] = Eagle3Head(replace(hs["eagle3"].config, num_layers=2))  # layers as vLLM's EAGLE-3 stacks them
+    for p in hs["eagle3_deep"].parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    hs["eagle3_deep"].d2t.copy_(hs["eagle3"].d2t)
+    hs["eagle3_deep"].t2d.copy_(hs["eagle3"].t2d)
+
     from draftheads.heads import DFlashHead
 
     hs["dflash_vocab"] = DFlashHead(replace(hs["dflash"].config, draft_vocab_size=50, causal=True))
@@ -85,6 +93,8 @@ def _logits(head, model, seed=0):
 @pytest.mark.parametrize("name,fmt,source", [
     ("eagle3", "vllm-eagle3", "eagle3"),
     ("eagle3", "speculators", "speculators"),
+    ("eagle3_deep", "vllm-eagle3", "eagle3"),
+    ("eagle3_deep", "speculators", "speculators"),
     ("eagle", "vllm-eagle", "eagle"),
     ("medusa", "vllm-medusa", "medusa"),
     ("medusa_shared", "vllm-medusa", "medusa"),

@@ -90,14 +90,16 @@ def test_widened_mlp_keeps_the_function_and_trains_its_new_units():
         mlp.widen(32)
 
 
+@pytest.mark.parametrize("num_layers", [1, 2])
 @pytest.mark.parametrize("block", [None, 4])  # one query block, or three with the last one padded
-def test_eagle3_ttt_equals_step_by_step_drafting(monkeypatch, block):
-    """TTT step j at t == drafting j tokens on top of the real prefix 0..t with a growing draft KV."""
+def test_eagle3_ttt_equals_step_by_step_drafting(monkeypatch, block, num_layers):
+    """TTT step j at t == drafting j tokens on top of the real prefix 0..t with a growing draft KV (each
+    layer's)."""
     from draftheads.heads import layers
 
     if block:
         monkeypatch.setattr(layers, "OWN_BLOCK", block)
-    head = _eagle3().double()
+    head = _eagle3(num_layers=num_layers).double()
     b, t = 1, 10
     aux = torch.randn(b, t, 96, dtype=torch.float64)
     emb = torch.randn(4, b, t, 32, dtype=torch.float64)  # step j's embeddings
@@ -106,20 +108,22 @@ def test_eagle3_ttt_equals_step_by_step_drafting(monkeypatch, block):
     outs = head.ttt(aux, lambda j: emb[j], pos, causal, steps=4)
 
     g = head.fuse(aux)
-    h0, (k0, v0) = head(emb[0], g, pos, mask=causal)
+    h0, kv0 = head(emb[0], g, pos, mask=causal)
+    assert len(kv0) == num_layers
     torch.testing.assert_close(head.normed(h0), outs[0])
     for col in (0, 3, 5, 9):
-        past = (k0[:, :, : col + 1], v0[:, :, : col + 1])  # the real prefix, then each drafted token's K/V
+        past = [(k[:, :, : col + 1], v[:, :, : col + 1]) for k, v in kv0]  # the real prefix, then the drafts'
         hidden = h0[:, col : col + 1]
         for j in range(1, 4):
-            hidden, (k, v) = head(emb[j][:, col : col + 1], hidden, pos[:, col : col + 1] + j,
-                                  mask=torch.zeros(1, 1, 1, col + 1 + j, dtype=torch.float64), past_kv=past)
-            past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+            hidden, kv = head(emb[j][:, col : col + 1], hidden, pos[:, col : col + 1] + j,
+                              mask=torch.zeros(1, 1, 1, col + 1 + j, dtype=torch.float64), past_kv=past)
+            past = [(torch.cat([p[0], n[0]], 2), torch.cat([p[1], n[1]], 2)) for p, n in zip(past, kv)]
             torch.testing.assert_close(head.normed(hidden)[:, 0], outs[j][:, col])
 
 
+@pytest.mark.parametrize("num_layers", [1, 2])
 @pytest.mark.parametrize("block", [None, 3])
-def test_eagle3_ttt_at_the_scored_positions_gives_the_same_loss_and_gradients(monkeypatch, block):
+def test_eagle3_ttt_at_the_scored_positions_gives_the_same_loss_and_gradients(monkeypatch, block, num_layers):
     """Everything but step 0's keys and values runs only where the loss scores some step: rows of two documents (a prompt, then an answer,
     then a second conversation) and rows with different numbers of kept positions (the shorter padded):
     the same outputs there, and the same EAGLE-3 loss and gradients as steps run everywhere."""
@@ -130,7 +134,7 @@ def test_eagle3_ttt_at_the_scored_positions_gives_the_same_loss_and_gradients(mo
     if block:
         monkeypatch.setattr(layers, "OWN_BLOCK", block)
     g = torch.Generator().manual_seed(5)
-    head = _eagle3().double()
+    head = _eagle3(num_layers=num_layers).double()
     b, t, steps = 3, 16, 4
     doc = torch.tensor([[0] * 9 + [1] * 7, [0] * 16, [0] * 5 + [1] * 8 + [-1] * 3])
     answer = torch.tensor([[0] * 4 + [1] * 5 + [0] * 2 + [1] * 5, [0] * 3 + [1] * 13, [0] * 2 + [1] * 3 + [0] * 6 + [1] * 2 + [0] * 3])
@@ -283,3 +287,25 @@ def test_shipped_reference_head_loads_if_installed():
     head, meta = load_head("reference")
     assert meta["head_type"] == "eagle3" and head.config.vocab_size == 49152 and head.config.hidden_size == 576
     assert (path / "CARD.md").is_file() and (path / "model.safetensors").stat().st_size <= 25 * 2**20
+
+
+def test_a_deeper_eagle3_head_drafts_through_each_layers_cache_as_its_uncached_forward():
+    """The proposer's path: entries written into the draft K/V in two forwards (the buffer growing in
+    between), each layer its own, give the outputs of one uncached forward over all of them."""
+    from draftheads.inference.draft_kv import DraftKV
+
+    head = _eagle3(num_layers=3).double()
+    g = torch.Generator().manual_seed(2)
+    t = 7
+    emb, hidden = (torch.randn(1, t, 32, generator=g, dtype=torch.float64) for _ in range(2))
+    pos = torch.arange(t)[None]
+    causal = torch.full((t, t), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    want, _ = head(emb, hidden, pos, mask=causal)
+    kv = DraftKV(2, 8, torch.float64, "cpu", capacity=4, layers=3)
+    kv.add(0)
+    outs = []
+    for a, b in ((0, 4), (4, t)):
+        step = kv.step([0], pos[:, a:b], b)
+        outs.append(head(emb[:, a:b], hidden[:, a:b], pos[:, a:b], mask=causal[:, :, a:b, :b], cache=step)[0])
+    assert kv.k.shape[0] == 3 and kv.k.shape[3] == 8  # a layer each; grown past its first capacity
+    torch.testing.assert_close(torch.cat(outs, 1), want)

@@ -18,7 +18,7 @@ from draftheads.testing import random_heads
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37], [100, 101, 102],
            [3, 4], [40, 41, 42, 43, 44, 45], [60, 61, 62, 63], [70, 7, 70, 7, 70]]
-PROPOSERS = {"eagle3": Eagle3Proposer, "eagle": EagleProposer}
+PROPOSERS = {"eagle3": Eagle3Proposer, "eagle3_deep": Eagle3Proposer, "eagle": EagleProposer}
 
 
 @pytest.fixture(scope="module")

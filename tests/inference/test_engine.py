@@ -48,6 +48,7 @@ def _proposer(name, model):
         "medusa": lambda: MedusaProposer(heads["medusa"], model),
         "eagle": lambda: EagleProposer(heads["eagle"], model),
         "eagle3": lambda: Eagle3Proposer(heads["eagle3"], model),
+        "eagle3-deep": lambda: Eagle3Proposer(heads["eagle3_deep"], model),
         "dflash": lambda: DFlashProposer(heads["dflash"], model),
         "dflash-tree": lambda: DFlashProposer(heads["dflash"], model),
         "dspark": lambda: DSparkProposer(heads["dspark"], model, min_survival=0.0),
@@ -61,11 +62,11 @@ def _proposer(name, model):
 PARAMS = SamplingParams(max_new_tokens=NEW, stop_at_eos=False)
 SPEC = TreeSpec(depth=4, top_k=3, total_tokens=12)
 TREES = {"plain": None, "ngram": "chain3", "random": SPEC, "oracle": SPEC, "medusa": "small", "eagle": SPEC,
-         "eagle3": SPEC, "dflash": "chain4", "dflash-tree": SPEC,
+         "eagle3": SPEC, "eagle3-deep": SPEC, "dflash": "chain4", "dflash-tree": SPEC,
          "dspark": "chain4", "dspark-tree": SPEC, "dspark-cut": SPEC, "dflash-vocab": "chain4", "dspark-vocab": SPEC}
 
 
-@pytest.mark.parametrize("name", ["plain", "ngram", "random", "oracle", "medusa", "eagle", "eagle3", "dflash",
+@pytest.mark.parametrize("name", ["plain", "ngram", "random", "oracle", "medusa", "eagle", "eagle3", "eagle3-deep", "dflash",
                                   "dflash-tree", "dspark", "dspark-tree", "dspark-cut", "dflash-vocab", "dspark-vocab"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_identity(model, reference, name, batch):

@@ -312,3 +312,36 @@ def test_training_scores_only_the_answer_window_it_is_given(workdir, monkeypatch
     assert torch.equal(full, batch["loss_mask"])
     assert torch.equal(window, answer_window(batch["loss_mask"], batch["doc_ids"], 3))
     assert 0 < window.sum() < full.sum()
+
+
+def test_init_head_deepened_starts_as_that_head_and_trains_every_layer(workdir):
+    from draftheads.errors import DraftheadsError
+    from draftheads.export.vllm import export_head
+    from draftheads.heads import load_head, save_head
+    from draftheads.training import Eagle3Module
+
+    extra = {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3], "draft_vocab_size": 384}
+    src = workdir / "wide-src" / "head"
+    if not src.exists():
+        assert main(["fit", "--config", str(_config(workdir, "wide-src", "Eagle3Module", 1, extra))]) == 0
+    shallow, _ = load_head(src)
+    module = Eagle3Module(target=str(workdir / "tiny"), init_head=str(src), num_layers=2, **extra)
+    module.configure_model()
+    deep = module.head
+    assert len(deep.layers) == 2 and deep.config.num_layers == 2
+    h = shallow.config.hidden_size
+    aux, emb = torch.randn(1, 5, 3 * h), torch.randn(1, 5, h)
+    pos = torch.arange(5)[None]
+    torch.testing.assert_close(deep.normed(deep(emb, deep.fuse(aux), pos)[0]),
+                               shallow.float().normed(shallow.float()(emb, shallow.float().fuse(aux), pos)[0]))
+    save_head(deep, workdir / "deep-saved")
+    with pytest.raises(DraftheadsError, match="model.num_layers=1 is below the init_head's 2"):
+        Eagle3Module(target=str(workdir / "tiny"), init_head=str(workdir / "deep-saved"), num_layers=1,
+                     **extra).configure_model()
+    cfg = _config(workdir, "deep-more", "Eagle3Module", 1, {**extra, "init_head": str(src), "num_layers": 2})
+    assert main(["fit", "--config", str(cfg)]) == 0
+    more, _ = load_head(workdir / "deep-more" / "head")
+    assert more.config.num_layers == 2 and more.layers[1].self_attn.o_proj.weight.abs().sum() > 0  # it trained
+    out, _ = export_head(more, "vllm-eagle3", workdir / "deep-export", verifier="t")
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+

@@ -1,4 +1,4 @@
-"""Autoregressive drafting with a one-layer draft model, batched over the engine's rows, shared by the
+"""Autoregressive drafting with a draft model of one or more layers, batched over the engine's rows, shared by the
 EAGLE-1 and EAGLE-3 proposers, with EAGLE-2's dynamic tree.
 
 Draft entry p reads (feature of target position p, embedding of token x_{p+1}) at position p and
@@ -53,7 +53,7 @@ class DraftTreeProposer(FollowingProposer):
         self.weight = head.projection(target.get_output_embeddings().weight)  # [V', H]
         attn = head.layers[0].self_attn
         weight = next(head.parameters())
-        self.kv = DraftKV(attn.kvh, attn.d, weight.dtype, weight.device)
+        self.kv = DraftKV(attn.kvh, attn.d, weight.dtype, weight.device, layers=len(head.layers))
 
     # -- subclass interface ------------------------------------------------
 
