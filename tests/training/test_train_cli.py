@@ -151,15 +151,31 @@ def test_init_head_goes_on_from_a_trained_head(workdir):
     assert not torch.equal(more["fc.weight"], trained["fc.weight"])
 
 
+def _trained_eagle3(workdir):
+    """(the model options, the head) of a small EAGLE-3 head trained one epoch, to start other fits from."""
+    extra = {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3], "draft_vocab_size": 384}
+    src = workdir / "wide-src" / "head"
+    if not src.exists():
+        assert main(["fit", "--config", str(_config(workdir, "wide-src", "Eagle3Module", 1, extra))]) == 0
+    return extra, src
+
+
+def _assert_same_function(head, start):
+    """``head`` drafts what ``start`` (the head it grew from) drafts, on random inputs."""
+    h = start.config.hidden_size
+    aux, emb = torch.randn(1, 5, 3 * h), torch.randn(1, 5, h)
+    pos = torch.arange(5)[None]
+    start = start.float()
+    torch.testing.assert_close(head.normed(head(emb, head.fuse(aux), pos)[0]),
+                               start.normed(start(emb, start.fuse(aux), pos)[0]))
+
+
 def test_init_head_widened_starts_as_that_head_and_saves_its_width(workdir):
     from draftheads.errors import DraftheadsError
     from draftheads.heads import load_head
     from draftheads.training import Eagle3Module
 
-    extra = {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3], "draft_vocab_size": 384}
-    src = workdir / "wide-src" / "head"
-    if not src.exists():
-        assert main(["fit", "--config", str(_config(workdir, "wide-src", "Eagle3Module", 1, extra))]) == 0
+    extra, src = _trained_eagle3(workdir)
     narrow, _ = load_head(src)
     width = narrow.config.layer.intermediate_size
     module = Eagle3Module(target=str(workdir / "tiny"), init_head=str(src), intermediate_size=2 * width, **extra)
@@ -167,11 +183,7 @@ def test_init_head_widened_starts_as_that_head_and_saves_its_width(workdir):
     wide = module.head
     assert wide.config.layer.intermediate_size == 2 * width
     assert wide.layers[0].mlp.down_proj.weight.shape[1] == 2 * width
-    h = narrow.config.hidden_size
-    aux, emb = torch.randn(1, 5, 3 * h), torch.randn(1, 5, h)
-    pos = torch.arange(5)[None]
-    torch.testing.assert_close(wide.normed(wide(emb, wide.fuse(aux), pos)[0]),
-                               narrow.float().normed(narrow.float()(emb, narrow.float().fuse(aux), pos)[0]))
+    _assert_same_function(wide, narrow)
     with pytest.raises(DraftheadsError, match="model.intermediate_size=.* is below the init_head's"):
         Eagle3Module(target=str(workdir / "tiny"), init_head=str(src), intermediate_size=width // 2,
                      **extra).configure_model()
@@ -181,7 +193,7 @@ def test_init_head_widened_starts_as_that_head_and_saves_its_width(workdir):
     assert main(["fit", "--config", str(cfg)]) == 0
     more, _ = load_head(workdir / "wide-more" / "head")
     assert more.config.layer.intermediate_size == 2 * width
-    assert more.layers[0].mlp.gate_proj.weight.shape == (2 * width, h)
+    assert more.layers[0].mlp.gate_proj.weight.shape == (2 * width, narrow.config.hidden_size)
 
 
 def test_two_process_ddp_ends_with_equal_weights(workdir):
@@ -320,20 +332,13 @@ def test_init_head_deepened_starts_as_that_head_and_trains_every_layer(workdir):
     from draftheads.heads import load_head, save_head
     from draftheads.training import Eagle3Module
 
-    extra = {"ttt_steps": 2, "aux_layer_ids": [1, 2, 3], "draft_vocab_size": 384}
-    src = workdir / "wide-src" / "head"
-    if not src.exists():
-        assert main(["fit", "--config", str(_config(workdir, "wide-src", "Eagle3Module", 1, extra))]) == 0
+    extra, src = _trained_eagle3(workdir)
     shallow, _ = load_head(src)
     module = Eagle3Module(target=str(workdir / "tiny"), init_head=str(src), num_layers=2, **extra)
     module.configure_model()
     deep = module.head
     assert len(deep.layers) == 2 and deep.config.num_layers == 2
-    h = shallow.config.hidden_size
-    aux, emb = torch.randn(1, 5, 3 * h), torch.randn(1, 5, h)
-    pos = torch.arange(5)[None]
-    torch.testing.assert_close(deep.normed(deep(emb, deep.fuse(aux), pos)[0]),
-                               shallow.float().normed(shallow.float()(emb, shallow.float().fuse(aux), pos)[0]))
+    _assert_same_function(deep, shallow)
     save_head(deep, workdir / "deep-saved")
     with pytest.raises(DraftheadsError, match="model.num_layers=1 is below the init_head's 2"):
         Eagle3Module(target=str(workdir / "tiny"), init_head=str(workdir / "deep-saved"), num_layers=1,
