@@ -10,13 +10,16 @@ import time
 from pathlib import Path
 
 
-def row(arm, where: Path) -> dict:
-    """One finished arm (``where``: its directory, holding ``train.yaml``, ``head/`` and ``walk/``)."""
+def row(arm, where: Path, cwd: Path | None = None) -> dict:
+    """One finished arm (``where``: its directory, holding ``train.yaml``, ``head/`` and ``walk/``), its
+    commands' paths shown from ``cwd`` where they lie under it."""
     meta = json.loads((where / "head/config.json").read_text())
     walk = json.loads((where / "walk/results.json").read_text())
     overrides = {k: v for k, v in (("model", arm.model), ("trainer", arm.trainer), ("data", arm.data)) if v}
-    return {"name": arm.name, "overrides": overrides, "command": f"train-head fit --config {where / 'train.yaml'}",
-            "walk_command": walk["command"],
+    inside = f"{cwd.resolve()}/" if cwd is not None else None
+    shown = (lambda cmd: cmd.replace(inside, "")) if inside else (lambda cmd: cmd)
+    return {"name": arm.name, "overrides": overrides, "command": shown(f"train-head fit --config {where / 'train.yaml'}"),
+            "walk_command": shown(walk["command"]),
             "walked_tau": {m: r["overall"]["tau"] for m, r in walk["modes"].items()},
             "walked_alpha": {m: r["overall"]["alpha"] for m, r in walk["modes"].items()},
             "val_acc": meta.get("val_accuracies"), "val_window": meta.get("val_answer_window"),

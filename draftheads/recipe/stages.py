@@ -532,7 +532,8 @@ class Plan:
 
     def _ablation(self, times: dict, say) -> None:
         a, out = self.recipe.ablation, self.root / "ablation"
-        rows = [ablation.row(arm, out / arm.name) for arm in a.arms if (out / arm.name / "walk/results.json").is_file()]
+        rows = [ablation.row(arm, out / arm.name, self.cwd) for arm in a.arms
+                if (out / arm.name / "walk/results.json").is_file()]
         res = ablation.results(self.recipe, rows, shown_from(out, Path.cwd()))
         atomic_write_json(out / "results.json", res)
         atomic_write_text(out / "results.md", ablation.markdown(res))

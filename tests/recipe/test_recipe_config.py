@@ -297,7 +297,7 @@ def test_the_ablation_table_is_rendered_again_from_the_arms_finished_so_far(tmp_
     (done / "head/config.json").write_text(json.dumps({"val_accuracies": [0.7, 0.6], "val_answer_window": 128,
                                                         "val_window_accuracies": [0.6, 0.5]}))
     (done / "walk").mkdir()
-    (done / "walk/results.json").write_text(json.dumps({"command": "draftheads walk ...", "modes": {
+    (done / "walk/results.json").write_text(json.dumps({"command": f"draftheads walk --head {done}/head", "modes": {
         m: {"overall": {"tau": t, "alpha": [0.5]}} for m, t in (("chain3", 2.0), ("small", 2.4))}}))
     (done / "train/csv/version_0").mkdir(parents=True)
     (done / "train/csv/version_0/metrics.csv").write_text("step,train/tok_s,val/loss\n1,800.0,\n2,,3.1\n3,850.5,\n")
@@ -306,4 +306,7 @@ def test_the_ablation_table_is_rendered_again_from_the_arms_finished_so_far(tmp_
     res = json.loads((tmp_path / "run/ablation/results.json").read_text())
     assert [a["name"] for a in res["arms"]] == ["base"] and res["arms"][0]["tok_s"] == 850.5
     assert res["arms"][0]["walked_tau"] == {"chain3": 2.0, "small": 2.4}
+    # the commands name the run's paths from the checkout the recipe ran in
+    assert res["arms"][0]["command"] == "train-head fit --config run/ablation/base/train.yaml"
+    assert res["arms"][0]["walk_command"] == "draftheads walk --head run/ablation/base/head"
     assert render_results(res) == (tmp_path / "run/ablation/results.md").read_text()
