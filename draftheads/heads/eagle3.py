@@ -108,22 +108,20 @@ class Eagle3Head(nn.Module):
                 every_mask=None):
         """One drafting step. embeds, hidden [B, T, H] -> (pre-norm hidden [B, T, H], new (k, v) per layer);
         the keys and ``rows`` as in :meth:`~draftheads.heads.layers.DraftAttention.forward`, per layer:
-        ``past_kv`` a list of (k, v), ``own_kv`` a list of (keys, values) lists (``([], [])`` alone: each
-        layer's masked attention over its new K/V), ``cache`` a
+        ``past_kv`` a list of (k, v), ``own_kv`` a list of (keys, values) lists, ``cache`` a
         :class:`~draftheads.inference.draft_kv.DraftStep`. With ``rows`` the layers before the last run at
         every position under ``every_mask`` (the last one's K/V read their outputs) and the last at those
         rows alone under ``mask``."""
         cos, sin = self.rotary(hidden, position_ids)
         if self.config.norm_before_residual:
             hidden = self.layers[0].hidden_norm(hidden)
-        fresh = own_kv is not None and not isinstance(own_kv, list)
         new, last = [], len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             hidden, kv = layer(hidden, cos, sin, embeds=embeds if i == 0 else None,
                                mask=mask if rows is None or i == last else every_mask,
                                past_kv=None if past_kv is None else past_kv[i],
                                cache=None if cache is None else cache.at(i),
-                               own_kv=([], []) if fresh else None if own_kv is None else own_kv[i],
+                               own_kv=None if own_kv is None else own_kv[i],
                                rows=rows if i == last else None)
             new.append(kv)
         return hidden, new
@@ -189,9 +187,10 @@ class Eagle3Head(nn.Module):
                 return out
             return out.new_zeros(b, t + 1, out.shape[-1]).scatter(1, back.expand(-1, -1, out.shape[-1]), out)[:, :t]
 
-        hidden, prefix_kv = self.forward(step_embeds(0), hidden, position_ids, mask=prefix_mask, own_kv=([], []),
+        own = [([], []) for _ in self.layers]  # step 0: each layer's masked attention over its new K/V
+        hidden, prefix_kv = self.forward(step_embeds(0), hidden, position_ids, mask=prefix_mask, own_kv=own,
                                          rows=rows, every_mask=every_mask)
-        outs, own = [output(hidden)], [([], []) for _ in self.layers]
+        outs = [output(hidden)]
         for j in range(1, steps):
             # step j's token at t reads step 0's entries up to t and its own position's entries of steps 1..j
             embeds = step_embeds(j)

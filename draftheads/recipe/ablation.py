@@ -16,10 +16,10 @@ def row(arm, where: Path, cwd: Path | None = None) -> dict:
     meta = json.loads((where / "head/config.json").read_text())
     walk = json.loads((where / "walk/results.json").read_text())
     overrides = {k: v for k, v in (("model", arm.model), ("trainer", arm.trainer), ("data", arm.data)) if v}
-    inside = f"{cwd.resolve()}/" if cwd is not None else None
-    shown = (lambda cmd: cmd.replace(inside, "")) if inside else (lambda cmd: cmd)
-    return {"name": arm.name, "overrides": overrides, "command": shown(f"train-head fit --config {where / 'train.yaml'}"),
-            "walk_command": shown(walk["command"]),
+    inside = f"{cwd.resolve()}/" if cwd is not None else ""
+    return {"name": arm.name, "overrides": overrides,
+            "command": f"train-head fit --config {where / 'train.yaml'}".replace(inside, ""),
+            "walk_command": walk["command"].replace(inside, ""),
             "walked_tau": {m: r["overall"]["tau"] for m, r in walk["modes"].items()},
             "walked_alpha": {m: r["overall"]["alpha"] for m, r in walk["modes"].items()},
             "val_acc": meta.get("val_accuracies"), "val_window": meta.get("val_answer_window"),

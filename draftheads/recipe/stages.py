@@ -273,10 +273,12 @@ class Plan:
         path = resolve_head(spec)
         return path if path.is_absolute() else self.path(str(path))
 
-    def eval_step(self, label: str, head: str | Path, out: Path, modes: list[str], per_domain: int | None = None) -> Step:
+    def eval_step(self, label: str, head: str | Path, out: Path, modes: list[str], per_domain: int | None = None,
+                  command: str = "eval") -> Step:
+        """``draftheads eval`` of ``head`` on the recipe's eval prompts (``command="walk"``: its walked τ)."""
         e = self.recipe.eval
         prompts = e.prompts if e.prompts.startswith("bundled:") else str(self.path(e.prompts))
-        return Step(label, self.dh("eval", "--target", self.recipe.target, "--head", head, "--prompts", prompts,
+        return Step(label, self.dh(command, "--target", self.recipe.target, "--head", head, "--prompts", prompts,
                                    "--limit-per-domain", per_domain or e.limit_per_domain, "--max-new-tokens",
                                    e.max_new_tokens, "--tree", ",".join(modes), "--out", out),
                     done=out / "results.json")
@@ -418,20 +420,12 @@ class Plan:
             h = replace(head, rounds=[], model={**head.model, **arm.model}, trainer={**head.trainer, **arm.trainer},
                         data={**head.data, **arm.data})
             steps = [self.fit_step(f"ablation {arm.name}", where, h, trainer=trainer),
-                     self.walk_step(f"ablation walk {arm.name}", where / "head", where / "walk", a.modes,
-                                    a.limit_per_domain)]
+                     self.eval_step(f"ablation walk {arm.name}", where / "head", where / "walk", a.modes,
+                                    a.limit_per_domain, command="walk")]
             out.append(Stage(f"ablation-{arm.name}", where / "walk/results.json", steps, after=self._ablation,
                              needs=(self.inputs,), also=[where],
                              describe=f"{arm.name}: {a.steps} steps, walked {','.join(a.modes)}"))
         return out
-
-    def walk_step(self, label: str, head: str | Path, out: Path, modes: list[str], per_domain: int) -> Step:
-        e = self.recipe.eval
-        prompts = e.prompts if e.prompts.startswith("bundled:") else str(self.path(e.prompts))
-        return Step(label, self.dh("walk", "--target", self.recipe.target, "--head", head, "--prompts", prompts,
-                                   "--limit-per-domain", per_domain, "--max-new-tokens", e.max_new_tokens,
-                                   "--tree", ",".join(modes), "--out", out),
-                    done=out / "results.json")
 
     def scaling_points(self) -> list[tuple[float, str]]:
         fractions = sorted(self.recipe.scaling.fractions) + [1.0]
@@ -534,7 +528,7 @@ class Plan:
         a, out = self.recipe.ablation, self.root / "ablation"
         rows = [ablation.row(arm, out / arm.name, self.cwd) for arm in a.arms
                 if (out / arm.name / "walk/results.json").is_file()]
-        res = ablation.results(self.recipe, rows, shown_from(out, Path.cwd()))
+        res = ablation.results(self.recipe, rows, self.shown(out))
         atomic_write_json(out / "results.json", res)
         atomic_write_text(out / "results.md", ablation.markdown(res))
         say(f"ablation: {len(rows)} of {len(a.arms)} arms in {self.shown(out / 'results.md')}")

@@ -54,9 +54,9 @@ def warmup_cosine(step: int, total: int, warmup_ratio: float, floor: float, rest
     """Learning-rate factor: linear warmup over ``warmup_ratio`` of ``total`` steps, then cosine to ``floor``;
     with ``restarts``, the ``total`` steps run that many more equal cycles, each warmed up to the peak again
     (warm restarts)."""
-    if restarts:
-        cycle = max(total // (restarts + 1), 1)
-        step, total = (step % cycle if step < cycle * (restarts + 1) else step - cycle * restarts), cycle
+    if restarts:  # the step within its cycle (the last cycle runs on past the end, at the floor)
+        total = max(total // (restarts + 1), 1)
+        step -= total * min(step // total, restarts)
     warm = int(round(warmup_ratio * total))
     if step < warm:
         return (step + 1) / warm
