@@ -187,6 +187,9 @@ class Ablation:
     """walked modes"""
     limit_per_domain: int = 12
     """eval prompts per domain walked"""
+    earlier: str = ""
+    """an ablation table written before (its ``results.json``, e.g. the committed one): its arms are kept in this
+    run's table where this run has not trained them, so arms run on other machines and days add up to one table"""
 
     def check(self) -> None:
         if not self.arms:

@@ -526,12 +526,20 @@ class Plan:
 
     def _ablation(self, times: dict, say) -> None:
         a, out = self.recipe.ablation, self.root / "ablation"
-        rows = [ablation.row(arm, out / arm.name, self.cwd) for arm in a.arms
-                if (out / arm.name / "walk/results.json").is_file()]
+        earlier = ablation.earlier_rows(self.recipe, self.path(a.earlier), self.cwd) if a.earlier else {}
+        rows, kept = [], 0
+        for arm in a.arms:
+            if (out / arm.name / "walk/results.json").is_file():
+                rows.append(ablation.row(arm, out / arm.name, self.cwd,
+                                         times.get("machines", {}).get(f"ablation-{arm.name}")))
+            elif arm.name in earlier:
+                rows.append(earlier[arm.name])
+                kept += 1
         res = ablation.results(self.recipe, rows, self.shown(out))
         atomic_write_json(out / "results.json", res)
         atomic_write_text(out / "results.md", ablation.markdown(res))
-        say(f"ablation: {len(rows)} of {len(a.arms)} arms in {self.shown(out / 'results.md')}")
+        say(f"ablation: {len(rows)} of {len(a.arms)} arms in {self.shown(out / 'results.md')}"
+            + (f", {kept} of them kept from {a.earlier}" if kept else ""))
 
 
 def flags(options: dict) -> list[str]:

@@ -287,26 +287,58 @@ def test_the_ablation_table_reads_each_arm_against_the_first():
     assert "- ttt3: `train-head fit ttt3`; `draftheads walk ttt3`" in lines
 
 
-def test_the_ablation_table_is_rendered_again_from_the_arms_finished_so_far(tmp_path):
-    from draftheads.bench.report import render_results
-
-    arms = [{"name": "base"}, {"name": "norm", "model": {"norm_init": "target"}}]
-    plan = Plan(load_recipe(_write(tmp_path, ablation={"arms": arms})), tmp_path, "cmd")
-    done = tmp_path / "run/ablation/base"
+def _finished_arm(done: Path, tau: float = 2.0) -> None:
+    """An arm's directory as its stage leaves it: the head's config, the walk and the training log."""
     (done / "head").mkdir(parents=True)
     (done / "head/config.json").write_text(json.dumps({"val_accuracies": [0.7, 0.6], "val_answer_window": 128,
                                                         "val_window_accuracies": [0.6, 0.5]}))
     (done / "walk").mkdir()
     (done / "walk/results.json").write_text(json.dumps({"command": f"draftheads walk --head {done}/head", "modes": {
-        m: {"overall": {"tau": t, "alpha": [0.5]}} for m, t in (("chain3", 2.0), ("small", 2.4))}}))
+        m: {"overall": {"tau": t, "alpha": [0.5]}} for m, t in (("chain3", tau), ("small", tau + 0.4))}}))
     (done / "train/csv/version_0").mkdir(parents=True)
     (done / "train/csv/version_0/metrics.csv").write_text("step,train/tok_s,val/loss\n1,800.0,\n2,,3.1\n3,850.5,\n")
+
+
+def test_the_ablation_table_is_rendered_again_from_the_arms_finished_so_far(tmp_path):
+    from draftheads.bench.report import render_results
+
+    arms = [{"name": "base"}, {"name": "norm", "model": {"norm_init": "target"}}]
+    plan = Plan(load_recipe(_write(tmp_path, ablation={"arms": arms})), tmp_path, "cmd")
+    _finished_arm(tmp_path / "run/ablation/base")
     stage = next(s for s in plan.stages() if s.name == "ablation-base")
-    stage.after({}, lambda m: None)
+    stage.after({"machines": {"ablation-base": [18.5]}}, lambda m: None)
     res = json.loads((tmp_path / "run/ablation/results.json").read_text())
     assert [a["name"] for a in res["arms"]] == ["base"] and res["arms"][0]["tok_s"] == 850.5
     assert res["arms"][0]["walked_tau"] == {"chain3": 2.0, "small": 2.4}
+    assert res["arms"][0]["plain_tok_s"] == [18.5]  # the yardstick of the machine it trained on
     # the commands name the run's paths from the checkout the recipe ran in
     assert res["arms"][0]["command"] == "train-head fit --config run/ablation/base/train.yaml"
     assert res["arms"][0]["walk_command"] == "draftheads walk --head run/ablation/base/head"
     assert render_results(res) == (tmp_path / "run/ablation/results.md").read_text()
+    assert "| 850 (18.5) |" in render_results(res)
+
+
+def test_an_ablation_keeps_the_arms_of_an_earlier_table_it_has_not_trained_again(tmp_path):
+    arms = [{"name": "base"}, {"name": "norm", "model": {"norm_init": "target"}}, {"name": "ttt3"}]
+    first = Plan(load_recipe(_write(tmp_path, run_dir=str(tmp_path / "one"), ablation={"arms": arms})), tmp_path, "c")
+    _finished_arm(tmp_path / "one/ablation/base", 2.0)
+    _finished_arm(tmp_path / "one/ablation/norm", 2.2)
+    next(s for s in first.stages() if s.name == "ablation-norm").after({}, lambda m: None)
+    (tmp_path / "kept.json").write_text((tmp_path / "one/ablation/results.json").read_text())
+    # another machine, a new run directory: it trains base again and ttt3, and keeps norm from the earlier table
+    said = []
+    later = Plan(load_recipe(_write(tmp_path, ablation={"arms": arms, "earlier": "kept.json"})), tmp_path, "c")
+    _finished_arm(tmp_path / "run/ablation/base", 2.1)
+    _finished_arm(tmp_path / "run/ablation/ttt3", 1.9)
+    next(s for s in later.stages() if s.name == "ablation-ttt3").after({}, said.append)
+    res = json.loads((tmp_path / "run/ablation/results.json").read_text())
+    assert [(a["name"], a["walked_tau"]["chain3"]) for a in res["arms"]] == [("base", 2.1), ("norm", 2.2), ("ttt3", 1.9)]
+    assert res["arms"][1]["walk_command"] == "draftheads walk --head one/ablation/norm/head"
+    assert said == ["ablation: 3 of 3 arms in run/ablation/results.md, 1 of them kept from kept.json"]
+    # a table of other settings does not compare
+    wrong = json.loads((tmp_path / "kept.json").read_text()) | {"steps": 99}
+    (tmp_path / "kept.json").write_text(json.dumps(wrong))
+    with pytest.raises(DraftheadsError, match=r"ablation.earlier: .* other steps \(99 here 400\)"):
+        next(s for s in later.stages() if s.name == "ablation-ttt3").after({}, said.append)
+
+
