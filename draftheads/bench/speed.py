@@ -122,7 +122,26 @@ def proposer_speeds(target, proposers: dict, prompts: list[list[int]], n: int, p
                           drafted_steps=agg.drafts, steps=agg.target_forwards)
             if engines[m].policy is not None:  # auto: the trees it chose, and its prediction against the outcome
                 out[m]["auto"] = engines[m].policy.report().get(1)
+                out[m]["auto"]["plain_engine_seconds_per_step"] = 1 / t.rate("plain")
     return out
+
+
+def _step_seconds(a: dict) -> str:
+    """An ``auto`` report's step times: a drafted step's draft and verify (against the verify predicted for
+    the trees chosen), beside a plain step in the same engine and in the plain engine (absent in reports
+    written before they were kept)."""
+    if "verify_seconds_per_step" not in a:
+        return ""
+    ms = lambda x: f"{1000 * x:.0f} ms"  # noqa: E731
+    out = (f"; a drafted step {ms(a['draft_seconds_per_step'] + a['verify_seconds_per_step'])} (draft "
+           f"{ms(a['draft_seconds_per_step'])}, verify {ms(a['verify_seconds_per_step'])} against "
+           f"{ms(a['predicted_verify_seconds_per_step'])} predicted)")
+    plain = []
+    if a.get("plain_steps"):
+        plain.append(f"{ms(a['plain_seconds_per_step'])} in this engine ({a['plain_steps']} steps)")
+    if a.get("plain_engine_seconds_per_step"):
+        plain.append(f"{ms(a['plain_engine_seconds_per_step'])} in the plain engine")
+    return out + (", a plain step " + " and ".join(plain) if plain else "")
 
 
 def same_text(base: list[Run], runs: list[Run]) -> dict:
@@ -192,6 +211,7 @@ def batch_sweep(target, proposers: dict, prompts: list[list[int]], n: int, batch
                 out[name][b]["flips"] = e.verifier.flips - before[name]
             if e.policy is not None and (a := e.policy.report().get(grid_key(b))):
                 out[name][b]["auto"] = a  # this batch size's steps so far (rows finishing leave smaller ones)
+                a["plain_engine_seconds_per_step"] = b / t.rate("plain")
             progress(f"batch sweep: {name} batch {b}: {r['speedup']:.2f}x, median {r['median']:.2f}x "
                      f"(95% CI {r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}, {r['pairs']} pairs)")
     return out
@@ -278,7 +298,7 @@ def tables(res: dict) -> str:
             if a := v.get("auto"):
                 lines.append(f"{m}: {a['tree_tokens_per_step']:.1f} tokens verified per drafted step (root "
                              f"included); predicted {a['predicted_tokens_per_step']:.2f} tokens per drafted step, "
-                             f"measured {a['measured_tokens_per_step']:.2f}")
+                             f"measured {a['measured_tokens_per_step']:.2f}{_step_seconds(a)}")
         lines.append("")
     if "batch_sweep" in res:
         bs = sorted({int(b) for v in res["batch_sweep"].values() for b in v})
@@ -291,7 +311,7 @@ def tables(res: dict) -> str:
         lines.append("")
         autos = [f"{name}, steps of batch {b}: {a['drafted']} of {a['steps']} drafted, {a['tree_tokens_per_step']:.1f} "
                  f"tokens verified per drafted step (roots included); predicted {a['predicted_tokens_per_step']:.2f} "
-                 f"tokens per drafted step, measured {a['measured_tokens_per_step']:.2f}"
+                 f"tokens per drafted step, measured {a['measured_tokens_per_step']:.2f}{_step_seconds(a)}"
                  for name, v in res["batch_sweep"].items() for b, cell in v.items() if (a := cell.get("auto"))]
         if autos:
             lines += [*autos, ""]

@@ -98,6 +98,7 @@ class StepPlan:
     grow: Grow | None = None
     weights: dict[int, float] = field(default_factory=dict)  # request id -> what its tokens are worth (1: all alike)
     predicted: float = 0.0  # expected tokens of the trees chosen (filled by select)
+    predicted_seconds: float = 0.0  # the verify forward and walk of the trees chosen, as modelled (by select)
     pools: dict[int, Tree] = field(default_factory=dict)  # request id -> its drafted pool (filled by select)
 
 
@@ -271,6 +272,7 @@ class AutoPolicy:
         proj = self.walk_time(b)
         # the walk projects one level of the batch per accepted depth: 1 + the longest expected walk
         best_n, best_rate, total, longest = 0, b / (draft_seconds + times[0] + proj), 0.0, 0.0
+        plan.predicted_seconds = times[0] + proj
         walked: dict[int, float] = {}
         for n, c in enumerate(cands, 1):
             total += c[0]
@@ -279,6 +281,7 @@ class AutoPolicy:
             rate = (b + total) / (draft_seconds + times[n] + proj * (1 + longest))
             if rate > best_rate:
                 best_n, best_rate = n, rate
+                plan.predicted_seconds = times[n] + proj * (1 + longest)
         keep: dict[int, set[int]] = {st.rid: set() for st in plan.drafting}
         for *_, rid, i, _v in cands[:best_n]:
             keep[rid].add(i)
@@ -304,7 +307,7 @@ class AutoPolicy:
         b = len(live)
         key = grid_key(b)
         q = sum(len(t) for t in trees)
-        s = self.stats.setdefault(key, dict.fromkeys(("steps", "drafted", "predicted", "measured", "tokens"), 0.0))
+        s = self.stats.setdefault(key, dict.fromkeys(STATS, 0.0))
         s["steps"] += 1
         self.curves.at(b).add(q, forward_seconds)
         w = self.walk.setdefault(key, [0.0, 0.0])
@@ -313,6 +316,8 @@ class AutoPolicy:
         if q == b:
             self.last_plain[key] = step
         if not plan.drafting:
+            s["plain_steps"] += 1
+            s["plain_s"] += draft_seconds + forward_seconds + walk_seconds
             return
         grow, r = plan.grow, len(plan.drafting)
         depth = max(grow.times) if grow is not None and grow.times else plan.spec.depth
@@ -331,6 +336,9 @@ class AutoPolicy:
         bias[0] = bias[0] * self.bias_decay + sum(accepted)
         bias[1] = bias[1] * self.bias_decay + unscaled
         s["tokens"] += q
+        s["draft_s"] += draft_seconds
+        s["verify_s"] += forward_seconds + walk_seconds
+        s["predicted_verify_s"] += plan.predicted_seconds
         plain = self.verify_time(b, b) + self.walk_time(b)
         beyond = max(forward_seconds + walk_seconds - plain, 0.0)
         share = self.draft.estimate(r, depth, plain) / r  # a row's share of a step's draft, as modelled
@@ -378,16 +386,26 @@ class AutoPolicy:
         return False
 
     def report(self) -> dict:
-        """Per batch size: steps, drafted steps, mean tokens verified per row, and the predicted against
-        the measured tokens per drafted step."""
+        """Per batch size: steps, drafted steps, mean tokens verified per row, the predicted against the
+        measured tokens per drafted step, and the seconds of a drafted step (its draft, and its verify
+        forward and walk against what the cost model predicted for the trees chosen) beside those of the
+        plain steps the engine ran (drafting nothing)."""
         out = {}
         for key, s in sorted(self.stats.items()):
-            d = s["drafted"]
+            d, p = s["drafted"], s["plain_steps"]
             out[key] = {"steps": int(s["steps"]), "drafted": int(d),
                         "tree_tokens_per_step": s["tokens"] / d if d else 0.0,
                         "predicted_tokens_per_step": s["predicted"] / d if d else 0.0,
-                        "measured_tokens_per_step": s["measured"] / d if d else 0.0}
+                        "measured_tokens_per_step": s["measured"] / d if d else 0.0,
+                        "draft_seconds_per_step": s["draft_s"] / d if d else 0.0,
+                        "verify_seconds_per_step": s["verify_s"] / d if d else 0.0,
+                        "predicted_verify_seconds_per_step": s["predicted_verify_s"] / d if d else 0.0,
+                        "plain_steps": int(p), "plain_seconds_per_step": s["plain_s"] / p if p else 0.0}
         return out
+
+
+STATS = ("steps", "drafted", "predicted", "measured", "tokens", "draft_s", "verify_s", "predicted_verify_s",
+         "plain_steps", "plain_s")
 
 
 def worth(live: list[RequestState], spread: float, least: float) -> dict[int, float]:

@@ -271,6 +271,10 @@ def test_auto_keeps_to_plain_decoding_on_a_useless_drafter(tiny_target):
     drafted = sum(o.metrics.drafts for out in outs for o in out)
     steps = sum(o.metrics.target_forwards for out in outs for o in out)
     assert drafted < 0.2 * steps  # probes only, each wait doubling up to max_wait
+    report = engine.policy.report()[2]
+    # every step is either drafted or plain, and each kind's seconds are kept apart
+    assert report["plain_steps"] + report["drafted"] == report["steps"] and report["plain_steps"] > report["drafted"]
+    assert report["plain_seconds_per_step"] > 0 and report["verify_seconds_per_step"] > 0
 
 
 @pytest.mark.parametrize("prompts", [[[5, 6, 7, 8]], [[5, 6, 7, 8], [9, 10, 11]]])
@@ -289,6 +293,7 @@ def test_auto_drafts_deep_with_a_drafter_that_is_always_right(tiny_target, promp
     # no scores: one confidence bin per depth, learnt from the prior (0.3 ** depth) to be always accepted
     assert all(engine.policy.acceptance.probability(None, d, None) > 0.85 for d in range(1, 7))
     assert 0.7 * report["measured_tokens_per_step"] < report["predicted_tokens_per_step"]
+    assert report["draft_seconds_per_step"] > 0 and report["predicted_verify_seconds_per_step"] > 0
 
 
 def test_a_draft_that_goes_depth_by_depth_narrows_as_more_rows_draft():
