@@ -77,7 +77,7 @@ def test_bench_parts_on_tiny_target(tiny_llama_dir, tmp_path, capsys):
     assert "ngram (auto), steps of batch 2:" in md
     # a drafted step's seconds against a plain one's, in the same engine and in the plain engine
     assert all(cell["auto"]["plain_engine_seconds_per_step"] > 0 for cell in res["batch_sweep"]["ngram (auto)"].values())
-    assert "ms in the plain engine" in md and "predicted)" in md
+    assert "ms in the plain engine" in md and "predicted)" in md and "as the cost model held it" in md
     assert res["dtype"] == "float32" and "threads, float32)" in (out / "results.md").read_text()
     assert (out / "verify_curve.png").is_file() and (out / "batch_sweep.png").is_file()
 

@@ -136,12 +136,13 @@ def _step_seconds(a: dict) -> str:
     out = (f"; a drafted step {ms(a['draft_seconds_per_step'] + a['verify_seconds_per_step'])} (draft "
            f"{ms(a['draft_seconds_per_step'])}, verify {ms(a['verify_seconds_per_step'])} against "
            f"{ms(a['predicted_verify_seconds_per_step'])} predicted)")
-    plain = []
+    plain = [f"{ms(a['believed_plain_seconds_per_step'])} as the cost model held it"] \
+        if a.get("believed_plain_seconds_per_step") else []
     if a.get("plain_steps"):
         plain.append(f"{ms(a['plain_seconds_per_step'])} in this engine ({a['plain_steps']} steps)")
     if a.get("plain_engine_seconds_per_step"):
         plain.append(f"{ms(a['plain_engine_seconds_per_step'])} in the plain engine")
-    return out + (", a plain step " + " and ".join(plain) if plain else "")
+    return out + (", a plain step " + ", ".join(plain) if plain else "")
 
 
 def same_text(base: list[Run], runs: list[Run]) -> dict:

@@ -339,6 +339,7 @@ class AutoPolicy:
         s["draft_s"] += draft_seconds
         s["verify_s"] += forward_seconds + walk_seconds
         s["predicted_verify_s"] += plan.predicted_seconds
+        s["believed_plain_s"] += self.verify_time(b, b) + self.walk_time(b)  # what drafting was weighed against
         plain = self.verify_time(b, b) + self.walk_time(b)
         beyond = max(forward_seconds + walk_seconds - plain, 0.0)
         share = self.draft.estimate(r, depth, plain) / r  # a row's share of a step's draft, as modelled
@@ -389,7 +390,8 @@ class AutoPolicy:
         """Per batch size: steps, drafted steps, mean tokens verified per row, the predicted against the
         measured tokens per drafted step, and the seconds of a drafted step (its draft, and its verify
         forward and walk against what the cost model predicted for the trees chosen) beside those of the
-        plain steps the engine ran (drafting nothing)."""
+        plain steps the engine ran (drafting nothing) and what the cost model held a plain step to cost when
+        it drafted."""
         out = {}
         for key, s in sorted(self.stats.items()):
             d, p = s["drafted"], s["plain_steps"]
@@ -400,12 +402,13 @@ class AutoPolicy:
                         "draft_seconds_per_step": s["draft_s"] / d if d else 0.0,
                         "verify_seconds_per_step": s["verify_s"] / d if d else 0.0,
                         "predicted_verify_seconds_per_step": s["predicted_verify_s"] / d if d else 0.0,
+                        "believed_plain_seconds_per_step": s["believed_plain_s"] / d if d else 0.0,
                         "plain_steps": int(p), "plain_seconds_per_step": s["plain_s"] / p if p else 0.0}
         return out
 
 
 STATS = ("steps", "drafted", "predicted", "measured", "tokens", "draft_s", "verify_s", "predicted_verify_s",
-         "plain_steps", "plain_s")
+         "believed_plain_s", "plain_steps", "plain_s")
 
 
 def worth(live: list[RequestState], spread: float, least: float) -> dict[int, float]:

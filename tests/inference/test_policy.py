@@ -294,6 +294,7 @@ def test_auto_drafts_deep_with_a_drafter_that_is_always_right(tiny_target, promp
     assert all(engine.policy.acceptance.probability(None, d, None) > 0.85 for d in range(1, 7))
     assert 0.7 * report["measured_tokens_per_step"] < report["predicted_tokens_per_step"]
     assert report["draft_seconds_per_step"] > 0 and report["predicted_verify_seconds_per_step"] > 0
+    assert report["believed_plain_seconds_per_step"] > 0
 
 
 def test_a_draft_that_goes_depth_by_depth_narrows_as_more_rows_draft():
