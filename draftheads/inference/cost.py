@@ -50,12 +50,14 @@ class CostCurve:
     drift: float = 1.0
     seen: set = field(default_factory=set)
     measured: int = 0  # forwards measured since the points were set (the first ones set the drift outright)
+    own: dict[int, int] = field(default_factory=dict)  # grid key -> forwards of this curve's own counted there
 
     def seed(self, ms_by_tokens: dict[int, float]) -> None:
         """Points from ``draftheads profile`` (milliseconds by query tokens)."""
         for n, ms in ms_by_tokens.items():
             self.points[grid_key(int(n))] = [ms / 1000 / self.drift, float(self.seed_count)]
             self.seen.add(grid_key(int(n)))
+            self.own[grid_key(int(n))] = self.seed_count  # profiled on this machine
 
     def add(self, tokens: int, seconds: float) -> None:
         """One measured forward. The first at each size ran its kernel shapes cold: not counted."""
@@ -68,6 +70,7 @@ class CostCurve:
             ratio = min(max(seconds / est, 0.5), 2.0)  # one stalled step moves the factor a little
             self.measured += 1
             self.drift *= ratio ** max(self.drift_rate, 1 / self.measured)
+        self.own[key] = self.own.get(key, 0) + 1
         p = self.points.setdefault(key, [0.0, 0.0])
         p[1] += 1
         p[0] += max(1 / p[1], self.min_rate) * (seconds / self.drift - p[0])
@@ -131,11 +134,17 @@ class CostCurve:
         """A curve for another batch size, of this one's shape: its points held as at most ``trust``
         measurements each (so they are explored), and the first forward measured at a size sets its
         level (the drift) outright."""
-        return replace(self, points={k: [t, min(c, trust)] for k, (t, c) in self.points.items()}, seen=set(), measured=0)
+        return replace(self, points={k: [t, min(c, trust)] for k, (t, c) in self.points.items()}, seen=set(), measured=0,
+                       own={})
 
     def reach(self) -> int | None:
         """The most query tokens a step may verify: twice the largest size measured (None before any)."""
         return 2 * max((n for n, (_, count) in self.points.items() if count > 0), default=0) or None
+
+    def measured_at(self, tokens: int) -> int:
+        """Forwards of ``tokens`` query tokens this curve counted itself (profiled ones included; the
+        points it borrowed from another batch size not)."""
+        return self.own.get(grid_key(tokens), 0)
 
     def weight(self, tokens: int) -> float:
         """How many measurements the point of ``tokens`` holds."""

@@ -47,9 +47,11 @@ A step, for a batch of ``B`` rows:
    seconds of 1 + the longest expected walk)``. So the
    tree's size and shape, per row, follow the draft's confidence and what tokens cost here, not a preset.
    A probing row keeps at least its best node, so that it is measured.
-5. **Keeping the cost model current**: a plain step is run before the curve has any point, and every
-   ``plain_every`` steps of a batch size (a batch size first seen is judged by the curve it borrows
-   from the nearest batch size measured, at the level its first forwards show).
+5. **Keeping the cost model current**: plain steps are run at a batch size until its curve has measured
+   a plain forward itself (the first forward of a size runs its shapes cold and is not counted), and
+   then every ``plain_every`` steps of it. Its other sizes are judged by the curve it borrows from the
+   nearest batch size measured, at the level its own forwards show; a borrowed plain point would price
+   plain decoding at ``B`` rows by a tree of as many tokens over fewer rows, a forward of another shape.
 
 **Selection bias.** Choosing the nodes whose estimated values are highest picks, among nodes of equal worth,
 those whose estimates happen to run high, so the chosen trees accept less than their values sum to (the
@@ -228,7 +230,8 @@ class AutoPolicy:
         b = len(live)
         key = grid_key(b)
         stale = step - self.last_plain.setdefault(key, step) >= self.plain_every  # a new batch size: not yet
-        if stale or not self.curves.at(b).points:
+        if stale or not self.curves.at(b).measured_at(b):
+            # drafting is weighed against a plain step at this batch size: measured here before the first draft
             return StepPlan([], None)
         weights = worth(live, self.spread, self.least)
         rows = [st for st in live if step >= st.gate.open_at and _room(st) > 0 and st.rid in weights]

@@ -116,6 +116,8 @@ def test_a_batch_size_first_seen_borrows_the_nearest_curves_shape_and_measures_i
     for _ in range(5):
         c16.add(16, 0.3)  # later ones move it by less
     assert 0.3 < c16.estimate(32, optimistic=False) < 0.4
+    # what a curve measured itself, against what it borrowed
+    assert (curves.base.measured_at(16), c16.measured_at(16), c16.measured_at(32), c4.measured_at(4)) == (20, 6, 0, 0)
 
 
 def test_rows_behind_are_worth_more_in_a_batch_that_ends_with_its_last_row():
@@ -297,6 +299,22 @@ def test_auto_drafts_deep_with_a_drafter_that_is_always_right(tiny_target, promp
     assert report["believed_plain_seconds_per_step"] > 0
 
 
+def test_each_batch_size_measures_its_own_plain_step_before_it_drafts(tiny_target):
+    """A batch size first seen borrows another's curve, whose plain point is a tree of as many tokens over
+    fewer rows: drafting at the new size waits until a plain forward of it is measured (its first one cold)."""
+    model = tiny_target.model
+    proposer = OracleProposer(model, 4)
+    proposer.auto_pool = TreeSpec(depth=4, top_k=1, total_tokens=5)
+    engine = Engine(model, proposer=proposer, policy=_modelled(proposer))
+    params = SamplingParams(max_new_tokens=24, stop_at_eos=False)
+    engine.generate([[5, 6, 7, 8]], params)
+    outs = engine.generate([[5, 6, 7, 8], [9, 10, 11], [4, 3], [8, 8, 9]], params)
+    report, curve = engine.policy.report(), engine.policy.curves.at(4)
+    assert report[1]["plain_steps"] == 2 and report[4]["plain_steps"] == 2  # one cold, one counted, at each size
+    assert curve.measured_at(4) == 1 and report[4]["drafted"] > 0
+    assert all(o.metrics.drafts == o.metrics.target_forwards - 2 for o in outs)  # drafting from the third step
+
+
 def test_a_draft_that_goes_depth_by_depth_narrows_as_more_rows_draft():
     """Each depth of such a draft is a forward over rows x width tokens: under auto the width shrinks so
     that the rows drafting together read about what one row does at full width."""
@@ -308,6 +326,8 @@ def test_a_draft_that_goes_depth_by_depth_narrows_as_more_rows_draft():
     for narrow, widths in ((True, [4, 2, 1, 1]), (False, [4, 4, 4, 4])):
         pol = AutoPolicy(spec, narrow=narrow)
         pol.curve.seed({1: 100, 4: 110})
+        for n in (2, 3, 4):  # a plain step measured at each batch size
+            pol.curves.at(n).seed({n: 100, 4 * n: 110})
         rows = [_state(i) for i in range(4)]
         for st in rows:
             pol.start(st)
