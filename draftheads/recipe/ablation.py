@@ -16,7 +16,8 @@ def row(arm, where: Path, cwd: Path | None = None, plain_tok_s: list[float] | No
     machine the arm ran on (the yardstick its training rate is read against)."""
     meta = json.loads((where / "head/config.json").read_text())
     walk = json.loads((where / "walk/results.json").read_text())
-    overrides = {k: v for k, v in (("model", arm.model), ("trainer", arm.trainer), ("data", arm.data)) if v}
+    overrides = {k: v for k, v in (("model", arm.model), ("trainer", arm.trainer), ("data", arm.data),
+                                   ("features", {"features_dtype": arm.features_dtype} if arm.features_dtype else {})) if v}
     inside = f"{cwd.resolve()}/" if cwd is not None else ""
     return {"name": arm.name, "overrides": overrides, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "plain_tok_s": plain_tok_s or None,

@@ -169,6 +169,9 @@ class Arm:
     """overrides of the trainer"""
     data: dict = field(default_factory=dict)
     """overrides of the data section"""
+    features_dtype: str = ""
+    """the dtype of the target's features the arm trains on (default: the run's data dtype); another one is
+    cached once for the arms that ask for it (stage ``features-<dtype>``), from the same answers"""
 
 
 @dataclass
@@ -203,6 +206,8 @@ class Ablation:
                 raise RecipeError(f"ablation.arms.{i}.name", f"{n!r}: use letters, digits, '-', '_' or '.'")
             if n in names[:i]:
                 raise RecipeError(f"ablation.arms.{i}.name", f"{n!r} names another arm too: give each its own")
+            if self.arms[i].features_dtype:
+                _choice(self.arms[i], "features_dtype", ("float32", "bfloat16", "float16"), f"ablation.arms.{i}")
         from draftheads.options import check_modes
 
         if not self.modes or "auto" in self.modes:

@@ -309,12 +309,7 @@ class Plan:
             describe="the target answers the prompts" + (", its hidden states captured in the same pass" if same else ""),
             needs=("synthesize",) if d.synthesize else (), check=self.distilled_all))
         if self.cached:
-            out.append(Stage("features", self.features / "index.json", [Step("features", self.dh(
-                "cache-features", "--target", r.target, "--data", self.answers_from(), "--layers", self.layers(),
-                "--out", self.features, "--max-length", d.max_seq_len, "--val-fraction", d.val_fraction, "--dtype",
-                self.dtype, "--overwrite"), prepare=self._slice)],
-                describe="the target's hidden states at the heads' layers" + (" (made by distill)" if same else ""),
-                needs=("distill",)))
+            out.append(self.features_stage("features", self.features, self.dtype, made_by_distill=bool(same)))
         head = r.head
         init = self.init_dir()
         out.append(Stage("train", self.root / "main/head", [self.fit_step("train", self.root / "main", head, init=init)],
@@ -408,23 +403,40 @@ class Plan:
                      needs=(self.inputs, "train"), also=[self.root / "scaling", self.root / "main/eval-chain3"],
                      describe="validation accuracy and chain-3 τ against training tokens at equal compute")
 
+    def features_stage(self, name: str, where: Path, dtype: str, made_by_distill: bool = False) -> Stage:
+        """The target's hidden states over the answers from ``data.from_answer`` on, in ``dtype``."""
+        d = self.recipe.data
+        return Stage(name, where / "index.json", [Step(name, self.dh(
+            "cache-features", "--target", self.recipe.target, "--data", self.answers_from(), "--layers",
+            self.layers(), "--out", where, "--max-length", d.max_seq_len, "--val-fraction", d.val_fraction,
+            "--dtype", dtype, "--overwrite"), prepare=self._slice)],
+            describe=f"the target's hidden states at the heads' layers, in {dtype}"
+                     + (" (made by distill)" if made_by_distill else ""), needs=("distill",))
+
     def ablation_stages(self) -> list[Stage]:
         """One stage per arm: the first head with the arm's overrides, trained for the ablation's steps from
-        the same start, then walked; each renders the table of the arms finished so far."""
+        the same start, then walked; each renders the table of the arms finished so far. Features in
+        another dtype than the run's are a stage of their own, made once for the arms that read them."""
         a, head = self.recipe.ablation, self.recipe.head
         trainer = {"max_steps": a.steps, "max_epochs": -1, "val_check_interval": a.val_every,
                    "check_val_every_n_epoch": None}
         out = []
+        for dtype in dict.fromkeys(arm.features_dtype for arm in a.arms):
+            if dtype and dtype != self.dtype:
+                out.append(self.features_stage(f"features-{dtype}", self.root / f"features-{dtype}", dtype))
         for arm in a.arms:
             where = self.root / "ablation" / arm.name
+            own = arm.features_dtype if arm.features_dtype and arm.features_dtype != self.dtype else ""
+            data = {**head.data, **arm.data, **({"feature_dir": str(self.root / f"features-{own}")} if own else {})}
             h = replace(head, rounds=[], model={**head.model, **arm.model}, trainer={**head.trainer, **arm.trainer},
-                        data={**head.data, **arm.data})
+                        data=data)
             steps = [self.fit_step(f"ablation {arm.name}", where, h, trainer=trainer),
                      self.eval_step(f"ablation walk {arm.name}", where / "head", where / "walk", a.modes,
                                     a.limit_per_domain, command="walk")]
             out.append(Stage(f"ablation-{arm.name}", where / "walk/results.json", steps, after=self._ablation,
-                             needs=(self.inputs,), also=[where],
-                             describe=f"{arm.name}: {a.steps} steps, walked {','.join(a.modes)}"))
+                             needs=(self.inputs,) + ((f"features-{own}",) if own else ()), also=[where],
+                             describe=f"{arm.name}: {a.steps} steps, walked {','.join(a.modes)}"
+                                      + (f", on features in {own}" if own else "")))
         return out
 
     def scaling_points(self) -> list[tuple[float, str]]:

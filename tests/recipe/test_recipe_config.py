@@ -269,6 +269,31 @@ def test_each_ablation_arm_is_a_stage_of_equal_steps_with_its_overrides_then_wal
             load_recipe(_write(tmp_path, ablation=bad))
 
 
+def test_an_ablation_arm_on_features_of_another_dtype_reads_a_second_cache_made_once(tmp_path):
+    arms = [{"name": "base"}, {"name": "fp32", "features_dtype": "float32"},
+            {"name": "fp32-ttt3", "features_dtype": "float32", "model": {"ttt_steps": 3}},
+            {"name": "same", "features_dtype": "bfloat16"}]
+    plan = Plan(load_recipe(_write(tmp_path, data={"dtype": "bfloat16"}, ablation={"arms": arms})), tmp_path, "cmd")
+    stages = {s.name: s for s in plan.stages()}
+    names = list(stages)
+    assert [n for n in names if n.startswith("features")] == ["features", "features-float32"]
+    assert names.index("features-float32") < names.index("ablation-base")
+    (step,) = stages["features-float32"].steps
+    argv = [str(a) for a in step.argv]
+    assert argv[argv.index("--dtype") + 1] == "float32" and argv[argv.index("--out") + 1] == str(tmp_path / "run/features-float32")
+    assert argv[argv.index("--data") + 1] == [str(a) for a in stages["features"].steps[0].argv][argv.index("--data") + 1]
+    for name, needs, features in (("base", ("features",), "run/features"), ("same", ("features",), "run/features"),
+                                  ("fp32", ("features", "features-float32"), "run/features-float32"),
+                                  ("fp32-ttt3", ("features", "features-float32"), "run/features-float32")):
+        s = stages[f"ablation-{name}"]
+        assert s.needs == needs
+        s.steps[0].prepare()
+        cfg = yaml.safe_load((tmp_path / "run/ablation" / name / "train.yaml").read_text())
+        assert cfg["data"]["feature_dir"] == str(tmp_path / features)
+    with pytest.raises(DraftheadsError, match="recipe field ablation.arms.0.features_dtype"):
+        load_recipe(_write(tmp_path, ablation={"arms": [{"name": "a", "features_dtype": "fp8"}]}))
+
+
 def test_the_ablation_table_reads_each_arm_against_the_first():
     from draftheads.recipe import ablation
 
