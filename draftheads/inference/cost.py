@@ -3,9 +3,11 @@ number of query tokens in it (the verify curve, seeded by ``draftheads profile``
 batch size and depth.
 
 Both are optimistic where they have not measured: a forward over more query tokens than any measured
-costs the largest one measured plus what each token cost between the two largest (the curve is flat
-while reading the weights dominates, then grows at least as fast as it did), and one more draft depth
-at least a quarter of the first. So a larger
+costs the largest one measured plus, per further token, the least a token cost between two sizes
+measured (the curve is flat while reading the weights dominates, then grows). The step from plain
+decoding's size to the first tree is not such a slope: a tree's forward also pays for its attention
+mask, once, so it is left out, and with one tree size measured the curve is flat past it. One more
+draft depth costs at least a quarter of the first. So a larger
 tree or a deeper draft is tried once before it is ruled out, and then it is known. The optimism has a
 reach: a step verifies at most twice the query tokens of the largest size measured (:meth:`CostCurve.reach`),
 so sizes are explored by doubling, not with one forward over hundreds of tokens whose cost is a
@@ -50,6 +52,7 @@ class CostCurve:
     drift: float = 1.0
     seen: set = field(default_factory=set)
     measured: int = 0  # forwards measured since the points were set (the first ones set the drift outright)
+    plain: int = 0  # grid key of a plain forward (the batch size) at this curve: the step from it is no slope
     own: dict[int, int] = field(default_factory=dict)  # grid key -> forwards of this curve's own counted there
 
     def seed(self, ms_by_tokens: dict[int, float]) -> None:
@@ -101,9 +104,9 @@ class CostCurve:
         return (t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)) * self.drift
 
     def optimistic(self, tokens: int) -> float | None:
-        """:meth:`estimate`, or past the largest size measured, that size's time plus the slope between
-        the two largest for every further token (a lower bound on a convex curve); below the smallest,
-        the smallest's. None before any measurement."""
+        """:meth:`estimate`, or past the largest size measured, that size's time plus the least slope
+        between two sizes measured for every further token (the step up from the plain size left out);
+        below the smallest, the smallest's. None before any measurement."""
         return self.table(tokens, tokens)[0]
 
     def table(self, lo: int, hi: int) -> list[float | None]:
@@ -112,8 +115,8 @@ class CostCurve:
         if not known:
             return [None] * (hi - lo + 1)
         out, i, top = [], 0, 0.0
-        (na, ta), (nb, tb) = known[-2] if len(known) > 1 else known[-1], known[-1]
-        slope = max(tb - ta, 0.0) / (nb - na) if nb > na else 0.0  # per token past the largest size
+        slopes = [(t1 - t0) / (n1 - n0) for (n0, t0), (n1, t1) in zip(known, known[1:]) if n0 != self.plain]
+        slope = max(min(slopes), 0.0) if slopes else 0.0  # per token past the largest size
         for q in range(lo, hi + 1):
             while i < len(known) and known[i][0] < q:
                 top = max(top, known[i][1])
@@ -158,7 +161,7 @@ class BatchCurves:
     ``draftheads profile`` seeds); a batch size first seen starts from the curve of the nearest batch
     size, its points trusted as ``trust`` measurements each."""
 
-    base: CostCurve = field(default_factory=CostCurve)
+    base: CostCurve = field(default_factory=lambda: CostCurve(plain=1))
     trust: float = 2.0
     curves: dict[int, CostCurve] = field(default_factory=dict)
 
@@ -169,7 +172,7 @@ class BatchCurves:
         if key not in self.curves:
             known = {1: self.base, **self.curves}
             near = min(known, key=lambda k: (abs(math.log(k / key)), -k))
-            self.curves[key] = known[near].borrow(self.trust)
+            self.curves[key] = replace(known[near].borrow(self.trust), plain=key)
         return self.curves[key]
 
 

@@ -102,6 +102,20 @@ def test_cost_curve_interpolates_is_optimistic_past_what_it_measured_and_follows
     assert c.estimate(16) == pytest.approx(0.4, rel=0.1)
 
 
+def test_past_the_largest_size_a_curve_grows_by_its_least_slope_and_not_by_the_step_from_plain():
+    """A tree's forward pays for its attention mask once: the step from plain decoding's size to the first
+    tree is no per-token slope, and extrapolating it priced trees of two or three times the tokens measured
+    far above what they cost, so they were never tried."""
+    c = CostCurve(plain=1)
+    c.seed({1: 100, 8: 200})
+    assert c.optimistic(16) == pytest.approx(0.2)  # one tree size: flat past it until a larger one is measured
+    c.seed({12: 220, 16: 260})
+    assert c.optimistic(24) == pytest.approx(0.26 + 8 * 0.005)  # the least of 5 and 10 ms per token
+    assert c.estimate(10) == pytest.approx(0.21)  # between sizes measured, interpolated as before
+    curves = BatchCurves()
+    assert curves.base.plain == 1 and curves.at(4).plain == 4 and curves.at(16).plain == 16
+
+
 def test_a_batch_size_first_seen_borrows_the_nearest_curves_shape_and_measures_its_level():
     curves = BatchCurves()
     curves.base.seed({1: 100, 4: 110, 16: 150, 32: 200})
