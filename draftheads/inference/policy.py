@@ -342,8 +342,8 @@ class AutoPolicy:
         s["draft_s"] += draft_seconds
         s["verify_s"] += forward_seconds + walk_seconds
         s["predicted_verify_s"] += plan.predicted_seconds
-        s["believed_plain_s"] += self.verify_time(b, b) + self.walk_time(b)  # what drafting was weighed against
         plain = self.verify_time(b, b) + self.walk_time(b)
+        s["believed_plain_s"] += plain  # what drafting was weighed against
         beyond = max(forward_seconds + walk_seconds - plain, 0.0)
         share = self.draft.estimate(r, depth, plain) / r  # a row's share of a step's draft, as modelled
         f = self.scale(b)

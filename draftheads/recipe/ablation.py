@@ -18,11 +18,10 @@ def row(arm, where: Path, cwd: Path | None = None, plain_tok_s: list[float] | No
     walk = json.loads((where / "walk/results.json").read_text())
     overrides = {k: v for k, v in (("model", arm.model), ("trainer", arm.trainer), ("data", arm.data),
                                    ("features", {"features_dtype": arm.features_dtype} if arm.features_dtype else {})) if v}
-    inside = f"{cwd.resolve()}/" if cwd is not None else ""
     return {"name": arm.name, "overrides": overrides, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "plain_tok_s": plain_tok_s or None,
-            "command": f"train-head fit --config {where / 'train.yaml'}".replace(inside, ""),
-            "walk_command": walk["command"].replace(inside, ""),
+            "command": _from(f"train-head fit --config {where / 'train.yaml'}", cwd),
+            "walk_command": _from(walk["command"], cwd),
             "walked_tau": {m: r["overall"]["tau"] for m, r in walk["modes"].items()},
             "walked_alpha": {m: r["overall"]["alpha"] for m, r in walk["modes"].items()},
             "val_acc": meta.get("val_accuracies"), "val_window": meta.get("val_answer_window"),
@@ -47,13 +46,14 @@ def earlier_rows(recipe, path: Path, cwd: Path | None = None) -> dict[str, dict]
         raise DraftheadsError(f"recipe field ablation.earlier: {path} was written with other {', '.join(differ)} "
                               f"({', '.join(f'{res.get(k)!r} here {want[k]!r}' for k in differ)}); its arms do not "
                               "compare: leave the field out, or match the settings")
-    inside = f"{cwd.resolve()}/" if cwd is not None else ""
-    rows = {}
-    for r in res.get("arms", []):
-        r = {**r, "date": r.get("date", res.get("date")), "plain_tok_s": r.get("plain_tok_s")}
-        rows[r["name"]] = {**r, "command": r["command"].replace(inside, ""),
-                           "walk_command": r["walk_command"].replace(inside, "")}
-    return rows
+    return {r["name"]: {**r, "date": r.get("date", res.get("date")), "plain_tok_s": r.get("plain_tok_s"),
+                        "command": _from(r["command"], cwd), "walk_command": _from(r["walk_command"], cwd)}
+            for r in res.get("arms", [])}
+
+
+def _from(command: str, cwd: Path | None) -> str:
+    """``command`` with the paths under ``cwd`` shown from it."""
+    return command.replace(f"{cwd.resolve()}/", "") if cwd is not None else command
 
 
 def train_rate(root: Path) -> float | None:
