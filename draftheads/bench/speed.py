@@ -139,7 +139,8 @@ def _step_seconds(a: dict) -> str:
     plain = [f"{ms(a['believed_plain_seconds_per_step'])} as the cost model held it"] \
         if a.get("believed_plain_seconds_per_step") else []
     if a.get("plain_steps"):
-        plain.append(f"{ms(a['plain_seconds_per_step'])} in this engine ({a['plain_steps']} steps)")
+        held = f", {a['held_steps']} held by the batch's gate" if a.get("held_steps") else ""
+        plain.append(f"{ms(a['plain_seconds_per_step'])} in this engine ({a['plain_steps']} steps{held})")
     if a.get("plain_engine_seconds_per_step"):
         plain.append(f"{ms(a['plain_engine_seconds_per_step'])} in the plain engine")
     return out + (", a plain step " + ", ".join(plain) if plain else "")

@@ -34,6 +34,18 @@ A step, for a batch of ``B`` rows:
    the next wait doubles from the last request's, so a drafter that did not pay on the requests before
    costs a new one a probe or two rather than one every few steps. A row drafts only while it can take
    a drafted token (more than one token to go), and no node deeper than it can take is valued.
+
+   **And whether the batch drafts at all.** The rows' gates each see their share of a step, and each
+   probe starts a row's means afresh; what drafting costs a batch size is also its probes and the parts
+   of a step no row alone pays (a tree's forward builds its attention mask once). So a gate per batch
+   size, the same as a row's, weighs every drafted step as a whole: the tokens it accepted (at plain
+   decoding's seconds per token) against what it cost beyond a plain step, the verify as measured and
+   the draft as the draft cost model has it (a request's first draft reads its prompt once: not a step's
+   cost); a step whose forward ran its shapes cold is not judged. Its means run on through probes, so
+   one lucky probe does not reopen a batch size where drafting loses. Where drafting loses on the mean
+   of its steps and the trees drafted are not believed to pay either (the acceptance model having seen
+   the step), the batch decodes plainly and probes again after the doubling wait; the rows' own waits
+   run meanwhile. A batch of one row is its row's gate.
 3. **How deep** (:class:`Grow`, proposers that draft depth by depth): each depth is a draft forward
    over rows × width tokens, so the width (``top_k``) shrinks as more rows draft, to the pool's
    ``top_k`` over the rows (at least 1): the rows together read what one row reads at full width (on
@@ -189,6 +201,7 @@ class AutoPolicy:
     bias_weight: float = 4.0  # pseudo accepted tokens of an unbiased start
     last_wait: int = 0  # the last wait of the last request to finish (a new request's first, if it loses)
     last_plain: dict[int, int] = field(default_factory=dict)  # batch key -> engine step of its last plain step
+    gates: dict[int, RowGate] = field(default_factory=dict)  # batch key -> whether its batch drafts at all
     walk: dict[int, list[float]] = field(default_factory=dict)  # batch key -> [decayed seconds, decayed levels]
     stats: dict[int, dict[str, float]] = field(default_factory=dict)  # batch key -> report counters
     bias: dict[int, list[float]] = field(default_factory=dict)  # batch key -> [decayed accepted, decayed predicted]
@@ -243,6 +256,9 @@ class AutoPolicy:
         if fresh:
             rows = [st for st in rows if step >= st.gate.open_at]
         if not rows:
+            return StepPlan([], None)
+        if b > 1 and step < self.gates.setdefault(key, RowGate()).open_at:  # drafting lost at this batch size
+            self.stats.setdefault(key, dict.fromkeys(STATS, 0.0))["held"] += 1
             return StepPlan([], None)
         spec = self.pool
         if self.narrow and len(rows) > 1:  # rows x width tokens per depth: at most one row's full width
@@ -345,8 +361,9 @@ class AutoPolicy:
         plain = self.verify_time(b, b) + self.walk_time(b)
         s["believed_plain_s"] += plain  # what drafting was weighed against
         beyond = max(forward_seconds + walk_seconds - plain, 0.0)
-        share = self.draft.estimate(r, depth, plain) / r  # a row's share of a step's draft, as modelled
-        f = self.scale(b)
+        modelled = self.draft.estimate(r, depth, plain)
+        share = modelled / r  # a row's share of a step's draft, as modelled
+        f, likely = self.scale(b), 0.0
         drafting = {st.rid for st in plan.drafting}
         for st, t, em, acc in zip(live, trees, emitted, accepted):
             if st.rid not in drafting:
@@ -357,10 +374,18 @@ class AutoPolicy:
             per_token = plan.weights.get(st.rid, 1.0) * plain / b  # the seconds one of its tokens saves the batch
             spent = share + (beyond * (len(t) - 1) / drafted if drafted else 0.0)
             expected = sum(self.acceptance.values(st.rid, t)[1:]) * f  # believed after this step
+            likely += expected
             self._gate(st.gate, acc * per_token, spent, expected * per_token, step)
+        if b > 1 and self.curves.at(b).measured_at(q):  # a batch of one is its row's gate; no cold shapes
+            self._gate(self.gates.setdefault(key, RowGate()), sum(accepted) * plain / b,
+                       modelled + max(forward_seconds + walk_seconds - plain, 0.0), likely * plain / b, step,
+                       keep=True)
 
-    def _gate(self, g: RowGate, saved: float, spent: float, likely: float, step: int) -> None:
-        first = g.saved is None or g.probing
+    def _gate(self, g: RowGate, saved: float, spent: float, likely: float, step: int, keep: bool = False) -> None:
+        """Weighs one drafted step (``likely``: the seconds the trees drafted are believed to save, after it).
+        A probe starts a row's means afresh (its text has moved on); ``keep``: the means run on through
+        probes (a batch size's costs do not change with its rows' texts)."""
+        first = g.saved is None or (g.probing and not keep)
         g.saved = saved if first else self.ema * saved + (1 - self.ema) * g.saved
         g.spent = spent if first else self.ema * spent + (1 - self.ema) * g.spent
         g.probing = False
@@ -394,7 +419,7 @@ class AutoPolicy:
         measured tokens per drafted step, and the seconds of a drafted step (its draft, and its verify
         forward and walk against what the cost model predicted for the trees chosen) beside those of the
         plain steps the engine ran (drafting nothing) and what the cost model held a plain step to cost when
-        it drafted."""
+        it drafted; ``held_steps``: plain steps the batch's gate held (drafting lost at this batch size)."""
         out = {}
         for key, s in sorted(self.stats.items()):
             d, p = s["drafted"], s["plain_steps"]
@@ -406,12 +431,13 @@ class AutoPolicy:
                         "verify_seconds_per_step": s["verify_s"] / d if d else 0.0,
                         "predicted_verify_seconds_per_step": s["predicted_verify_s"] / d if d else 0.0,
                         "believed_plain_seconds_per_step": s["believed_plain_s"] / d if d else 0.0,
-                        "plain_steps": int(p), "plain_seconds_per_step": s["plain_s"] / p if p else 0.0}
+                        "plain_steps": int(p), "plain_seconds_per_step": s["plain_s"] / p if p else 0.0,
+                        "held_steps": int(s["held"])}
         return out
 
 
 STATS = ("steps", "drafted", "predicted", "measured", "tokens", "draft_s", "verify_s", "predicted_verify_s",
-         "believed_plain_s", "plain_steps", "plain_s")
+         "believed_plain_s", "plain_steps", "plain_s", "held")
 
 
 def worth(live: list[RequestState], spread: float, least: float) -> dict[int, float]:

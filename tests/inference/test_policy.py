@@ -407,6 +407,29 @@ def test_a_request_whose_drafts_turn_good_drafts_again_within_a_bounded_wait(tin
     assert len(after) > 0.5 * (len(out.token_ids) + len(prompt) - after[0]) / 4
 
 
+def test_a_batch_where_drafting_loses_decodes_plainly_and_drafts_again_within_a_bounded_wait(tiny_target):
+    """At batch 4 the batch's own gate weighs each drafted step as a whole: while every row's drafts are
+    rejected it holds the batch to plain steps (probes further and further apart), and once they turn good
+    the batch drafts again within the longest wait, its rows' waits having run meanwhile."""
+    model = tiny_target.model
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [4, 3, 2, 1], [8, 8, 9, 9]]
+    switch = len(prompts[0]) + 80
+    proposer = _TurnsGood(model, switch)
+    pol = _modelled(proposer)
+    engine = Engine(model, proposer=proposer, policy=pol)
+    drafted_at = _drafted_at(pol)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=200, stop_at_eos=False))
+    report = pol.report()[4]
+    assert report["held_steps"] > 10 and report["held_steps"] <= report["plain_steps"]
+    before = [n for n in drafted_at if n < switch]
+    after = [n for n in drafted_at if n >= switch]
+    assert len(before) < 20
+    assert after and after[0] - switch <= pol.max_wait + 1
+    assert len(after) > 0.5 * (len(outs[0].token_ids) + len(prompts[0]) - after[0]) / 4
+    gate = pol.gates[4]
+    assert gate.wait == 0 and gate.saved > gate.spent  # drafting pays at the end: the gate is open
+
+
 def test_a_new_request_drafts_at_once_where_drafting_paid(tiny_target):
     model = tiny_target.model
     proposer = OracleProposer(model, 4)
