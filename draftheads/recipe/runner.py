@@ -10,6 +10,7 @@ with the directory on shared storage.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -55,6 +56,23 @@ class Stage:
 
     def finished(self) -> bool:
         return self.done.exists() if self.check is None else self.check()
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """Ask a stage's process to stop (a fit saves what it can on SIGTERM), and kill it after ``grace``
+    seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class Run:
@@ -107,13 +125,23 @@ class Run:
         """Run ``argv``, its output to the terminal and the log (progress bars left out of the log)."""
         self.say(f"=== {label}: {' '.join(argv)}")
         proc = subprocess.Popen(argv, cwd=self.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            if "it/s]" in line or "s/it]" in line:
-                continue
-            sys.stdout.write(line)
-            self.log.write(line)
-            self.log.flush()
-        if proc.wait() != 0:
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _terminated) if main else None
+        try:
+            for line in proc.stdout:
+                if "it/s]" in line or "s/it]" in line:
+                    continue
+                sys.stdout.write(line)
+                self.log.write(line)
+                self.log.flush()
+            proc.wait()
+        except BaseException:  # stopped (Ctrl-C, or SIGTERM): the stage's process stops with the run
+            _stop(proc)
+            raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        if proc.returncode != 0:
             self.say(f"stage {label} failed (exit {proc.returncode}); fix the error above and rerun: finished "
                      "stages are kept and this one resumes")
             raise SystemExit(1)

@@ -1,4 +1,9 @@
 import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -28,6 +33,27 @@ def test_a_stage_saves_its_time_while_it_runs_without_output(tmp_path, monkeypat
     again.stage("quiet", tmp_path / "out", lambda: (tmp_path / "out").write_text("done"))
     total = json.loads(again.times_file.read_text())
     assert "quiet" not in total["running"] and saved <= total["quiet"] < saved + 2.0
+
+
+def test_a_run_stopped_by_sigterm_stops_its_stages_process(tmp_path):
+    """A recipe run sent SIGTERM mid-stage stops the stage's process too (a training fit left behind would
+    go on using the machine), and exits with the signal's status."""
+    pid_file = tmp_path / "stage.pid"
+    stage = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    runner = textwrap.dedent(f"""
+        from pathlib import Path
+        from draftheads.recipe.runner import Run
+        Run(Path({str(tmp_path / 'run')!r})).cmd("stage", [{sys.executable!r}, "-c", {stage!r}])
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", runner])
+    deadline = time.time() + 60
+    while not (pid_file.is_file() and pid_file.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(30) == 128 + signal.SIGTERM
+    with pytest.raises(ProcessLookupError):  # stopped and reaped
+        os.kill(child, 0)
 
 
 def test_a_finished_stage_is_reused_and_logged_by_its_output(tmp_path):
