@@ -378,7 +378,7 @@ class AutoPolicy:
             self._gate(st.gate, acc * per_token, spent, expected * per_token, step)
         if b > 1 and self.curves.at(b).measured_at(q):  # a batch of one is its row's gate; no cold shapes
             self._gate(self.gates.setdefault(key, RowGate()), sum(accepted) * plain / b,
-                       modelled + max(forward_seconds + walk_seconds - plain, 0.0), likely * plain / b, step,
+                       modelled + beyond, likely * plain / b, step,
                        keep=True)
 
     def _gate(self, g: RowGate, saved: float, spent: float, likely: float, step: int, keep: bool = False) -> None:
