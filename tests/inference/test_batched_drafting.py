@@ -64,6 +64,57 @@ def test_batched_trees_equal_per_row_trees(model64, name, tree):
         assert len(a) == tree.total_tokens and a.depth <= tree.depth
 
 
+def test_prompts_of_unequal_lengths_catch_up_in_groups_and_draft_as_one_row_at_a_time(model64, monkeypatch):
+    """A long prompt does not pad the short ones: the first draft reads the prompts in forwards grouped by
+    length, and the trees are those drafted one row at a time."""
+    from draftheads.inference.proposers import draft_tree
+
+    head = random_heads(model64)["eagle3"].double()
+    prompts = [list(range(5, 125)), [20, 21, 22], [30, 31, 32, 33], [100, 101, 102], list(range(10, 120))]
+    tree = TreeSpec(depth=4, top_k=3, total_tokens=12)
+    forwards = []
+    rows_of = draft_tree.DraftTreeProposer._catch_up_rows
+    monkeypatch.setattr(draft_tree.DraftTreeProposer, "_catch_up_rows",
+                        lambda self, states, feats: forwards.append(sorted(st.rid for st in states))
+                        or rows_of(self, states, feats))
+    batched = _trees_after_prefill(model64, head, Eagle3Proposer, prompts, tree, batched=True)
+    assert forwards == [[1, 2, 3], [0, 4]]
+    forwards.clear()
+    alone = _trees_after_prefill(model64, head, Eagle3Proposer, prompts, tree, batched=False)
+    assert len(forwards) == len(prompts)
+    for a, b in zip(batched, alone):
+        assert (a.tokens, a.parents) == (b.tokens, b.parents)
+
+
+def test_length_groups_split_at_the_least_padded_cost():
+    """The grouping is the cheapest of every partition of the rows (brute force over small cases)."""
+    import random
+
+    from draftheads.inference.proposers.draft_tree import length_groups
+
+    def cost(groups, sizes, overhead):
+        return sum(overhead + len(g) * max(sizes[i] for i in g) for g in groups)
+
+    def partitions(items):
+        if not items:
+            yield []
+            return
+        first, rest = items[0], items[1:]
+        for p in partitions(rest):
+            yield [[first], *p]
+            for i in range(len(p)):
+                yield [*p[:i], [first, *p[i]], *p[i + 1:]]
+
+    rng = random.Random(0)
+    for _ in range(40):
+        sizes = [rng.randint(1, 200) for _ in range(rng.randint(1, 7))]
+        overhead = rng.choice([0, 8, 32, 500])
+        groups = length_groups(sizes, overhead)
+        assert sorted(i for g in groups for i in g) == list(range(len(sizes)))
+        assert cost(groups, sizes, overhead) == min(cost(p, sizes, overhead) for p in partitions(list(range(len(sizes)))))
+    assert length_groups([45, 71, 60, 185, 48, 37], 10 ** 6) == [[5, 0, 4, 2, 1, 3]]  # one forward when launches dominate
+
+
 @pytest.mark.parametrize("name", ["dflash", "dspark"])
 def test_block_chains_of_a_batch_equal_the_top_k_walk_per_row(model64, name):
     """Greedy chains decoded for the whole batch at once (one projection, one read-back) give what the

@@ -33,6 +33,30 @@ class DraftState:
     pending: list = field(default_factory=list)  # target hidden states of committed tokens not yet drafted over
 
 
+# what one draft forward costs besides its padded rows, in tokens of them: little on a CPU, where the work
+# grows with the tokens; much on an accelerator, where a small head's forward is mostly its launches
+CATCH_UP_OVERHEAD = {"cpu": 32, "accelerator": 4096}
+
+
+def length_groups(sizes: list[int], overhead: int) -> list[list[int]]:
+    """Indices of ``sizes`` split into groups, each one forward padded to its longest, at the least cost:
+    a group of rows costs ``overhead`` plus its rows times its longest. The best split takes the rows in
+    order of length (a dynamic programme over the cut points), so a few long prompts do not pad the rest."""
+    order = sorted(range(len(sizes)), key=sizes.__getitem__)
+    s = [sizes[i] for i in order]
+    cost, cut = [0] + [float("inf")] * len(s), [0] * (len(s) + 1)
+    for j in range(1, len(s) + 1):
+        for i in range(j):
+            c = cost[i] + overhead + (j - i) * s[j - 1]
+            if c < cost[j]:
+                cost[j], cut[j] = c, i
+    groups, j = [], len(s)
+    while j:
+        groups.append(order[cut[j]: j])
+        j = cut[j]
+    return groups[::-1]
+
+
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool [R, T, S] -> additive mask [R, 1, T, S]."""
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))[:, None]
@@ -86,29 +110,36 @@ class DraftTreeProposer(FollowingProposer):
 
     @torch.no_grad()
     def _catch_up(self, states: list[RequestState]) -> None:
-        """One draft forward over every row's committed tokens not yet drafted over (padded to the
-        longest), writing their entries into the draft KV."""
+        """Draft forwards over every row's committed tokens not yet drafted over, writing their entries
+        into the draft KV: rows of similar lengths share a forward, padded to their longest
+        (:func:`length_groups`; a batch's prompts differ in length several times over)."""
         rows = [(st, h) for st in states if (h := self.take_pending(st)) is not None]
         if not rows:
             return
         feats = [self.entry_features(h) for _, h in rows]  # each [n, H]
+        overhead = CATCH_UP_OVERHEAD["cpu" if feats[0].device.type == "cpu" else "accelerator"]
+        for group in length_groups([f.shape[0] for f in feats], overhead):
+            self._catch_up_rows([rows[i][0] for i in group], [feats[i] for i in group])
+
+    def _catch_up_rows(self, states: list[RequestState], feats: list[torch.Tensor]) -> None:
+        """One draft forward over these rows' pending entries, ``feats`` (each [n, H]) padded to the longest."""
         sizes = [f.shape[0] for f in feats]
-        firsts = [self.kv.length[st.rid] for st, _ in rows]
-        for (st, _), first, n in zip(rows, firsts, sizes):
+        firsts = [self.kv.length[st.rid] for st in states]
+        for st, first, n in zip(states, firsts, sizes):
             assert first + n == st.kv_len, (first, n, st.kv_len)
         width = max(sizes)
         device = feats[0].device
         tokens = torch.tensor([st.tokens[f + 1: f + 1 + n] + [0] * (width - n)
-                               for (st, _), f, n in zip(rows, firsts, sizes)], device=device)
+                               for st, f, n in zip(states, firsts, sizes)], device=device)
         pos = torch.tensor(firsts, device=device)[:, None] + torch.arange(width, device=device)  # [R, T]
         keys = max(firsts) + width
         visible = torch.arange(keys, device=device)[None, None] <= pos[:, :, None]  # causal over own entries
-        cache = self.kv.step([st.rid for st, _ in rows], pos, keys)
+        cache = self.kv.step([st.rid for st in states], pos, keys)
         x = pad_sequence(feats, batch_first=True)  # [R, T, H]
         out, _ = self.step(x, tokens, pos, _additive(visible, x.dtype), cache)
-        last = out[torch.arange(len(rows), device=device), torch.tensor(sizes, device=device) - 1]  # [R, H]
+        last = out[torch.arange(len(states), device=device), torch.tensor(sizes, device=device) - 1]  # [R, H]
         logp = self.log_probs(last)
-        for i, (st, _) in enumerate(rows):
+        for i, st in enumerate(states):
             self.kv.length[st.rid] = st.kv_len
             ds = self.states[st.rid]
             ds.last_out, ds.last_logp = last[i], logp[i]
