@@ -45,7 +45,8 @@ A step, for a batch of ``B`` rows:
    one lucky probe does not reopen a batch size where drafting loses. Where drafting loses on the mean
    of its steps and the trees drafted are not believed to pay either (the acceptance model having seen
    the step), the batch decodes plainly and probes again after the doubling wait; the rows' own waits
-   run meanwhile. A batch of one row is its row's gate.
+   run meanwhile. A step believed to pay keeps the batch drafting, but only its mean paying starts its
+   waits over, so a batch size that loses probes further and further apart. A batch of one row is its row's gate.
 3. **How deep** (:class:`Grow`, proposers that draft depth by depth): each depth is a draft forward
    over rows × width tokens, so the width (``top_k``) shrinks as more rows draft, to the pool's
    ``top_k`` over the rows (at least 1): the rows together read what one row reads at full width (on
@@ -384,14 +385,16 @@ class AutoPolicy:
     def _gate(self, g: RowGate, saved: float, spent: float, likely: float, step: int, keep: bool = False) -> None:
         """Weighs one drafted step (``likely``: the seconds the trees drafted are believed to save, after it).
         A probe starts a row's means afresh (its text has moved on); ``keep``: the means run on through
-        probes (a batch size's costs do not change with its rows' texts)."""
+        probes (a batch size's costs do not change with its rows' texts), and only its mean paying ends its
+        run of shut-offs: a step believed to pay keeps it drafting, but the wait after its next loss doubles
+        on from the last."""
         first = g.saved is None or (g.probing and not keep)
         g.saved = saved if first else self.ema * saved + (1 - self.ema) * g.saved
         g.spent = spent if first else self.ema * spent + (1 - self.ema) * g.spent
         g.probing = False
         if g.saved < g.spent and likely < g.spent:
             self._shut(g, step)
-        else:
+        elif not keep or g.saved >= g.spent:
             g.wait = 0
 
     def _shut(self, g: RowGate, step: int) -> None:

@@ -430,6 +430,26 @@ def test_a_batch_where_drafting_loses_decodes_plainly_and_drafts_again_within_a_
     assert gate.wait == 0 and gate.saved > gate.spent  # drafting pays at the end: the gate is open
 
 
+def test_a_batch_gate_is_forgiven_only_by_its_mean_paying():
+    """A batch size whose drafted steps lose on the mean probes further and further apart even where a step
+    was believed to pay, which keeps it drafting; a row's gate, whose text moves on, starts its waits over
+    on such a step. A mean that pays opens the batch's gate for good."""
+    from draftheads.inference.policy import RowGate
+
+    pol = AutoPolicy(TreeSpec(depth=4, top_k=2, total_tokens=8))
+    batch, row = RowGate(), RowGate()
+    for g, keep in ((batch, True), (row, False)):
+        pol._gate(g, saved=1.0, spent=2.0, likely=0.5, step=10, keep=keep)  # loses, not believed to pay
+        assert g.wait == pol.min_wait and g.open_at == 10 + 1 + pol.min_wait
+        pol._gate(g, saved=1.0, spent=2.0, likely=3.0, step=20, keep=keep)  # loses, believed to pay
+        assert g.open_at <= 20
+        pol._gate(g, saved=1.0, spent=2.0, likely=0.5, step=30, keep=keep)  # loses again
+    assert batch.wait == 2 * pol.min_wait and row.wait == pol.min_wait
+    for step in range(40, 80):
+        pol._gate(batch, saved=4.0, spent=1.0, likely=0.0, step=step, keep=True)
+    assert batch.saved > batch.spent and batch.wait == 0
+
+
 def test_a_new_request_drafts_at_once_where_drafting_paid(tiny_target):
     model = tiny_target.model
     proposer = OracleProposer(model, 4)
