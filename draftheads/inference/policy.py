@@ -46,7 +46,8 @@ A step, for a batch of ``B`` rows:
    of its steps and the trees drafted are not believed to pay either (the acceptance model having seen
    the step), the batch decodes plainly and probes again after the doubling wait; the rows' own waits
    run meanwhile. A step believed to pay keeps the batch drafting, but only its mean paying starts its
-   waits over, so a batch size that loses probes further and further apart. A batch of one row is its row's gate.
+   waits over, so a batch size that loses probes further and further apart. A batch of one row is its
+   row's gate.
 3. **How deep** (:class:`Grow`, proposers that draft depth by depth): each depth is a draft forward
    over rows × width tokens, so the width (``top_k``) shrinks as more rows draft, to the pool's
    ``top_k`` over the rows (at least 1): the rows together read what one row reads at full width (on
