@@ -41,8 +41,12 @@ CATCH_UP_OVERHEAD = {"cpu": 32, "accelerator": 4096}
 def length_groups(sizes: list[int], overhead: int) -> list[list[int]]:
     """Indices of ``sizes`` split into groups, each one forward padded to its longest, at the least cost:
     a group of rows costs ``overhead`` plus its rows times its longest. The best split takes the rows in
-    order of length (a dynamic programme over the cut points), so a few long prompts do not pad the rest."""
+    order of length (a dynamic programme over the cut points), so a few long prompts do not pad the rest.
+    Where all the padding costs no more than one forward, as on most drafted steps (each row catching up
+    over the few tokens its last step accepted), that is one forward, without the programme."""
     order = sorted(range(len(sizes)), key=sizes.__getitem__)
+    if sizes and len(sizes) * max(sizes) - sum(sizes) <= overhead:  # no split saves a forward's cost
+        return [order]
     s = [sizes[i] for i in order]
     cost, cut = [0] + [float("inf")] * len(s), [0] * (len(s) + 1)
     for j in range(1, len(s) + 1):
