@@ -46,8 +46,13 @@ A step, for a batch of ``B`` rows:
    of its steps and the trees drafted are not believed to pay either (the acceptance model having seen
    the step), the batch decodes plainly and probes again after the doubling wait; the rows' own waits
    run meanwhile. A step believed to pay keeps the batch drafting, but only its mean paying starts its
-   waits over, so a batch size that loses probes further and further apart. A batch of one row is its
-   row's gate.
+   waits over, so a batch size that loses probes further and further apart. A shut batch is probed by a
+   quarter of the rows that would draft (``probe_share``, at least one: those the acceptance model
+   likes best), so that the others' drafters need not read every token since they last drafted (a new
+   request's whole prompt) for a probe that loses; the probe is judged as the step of all those rows it
+   stands for (its tokens, believed and accepted, and its verify beyond plain, scaled by their number;
+   the draft as the draft cost model prices it for all of them), and it stays out of the means. A batch
+   of one row is its row's gate.
 3. **How deep** (:class:`Grow`, proposers that draft depth by depth): each depth is a draft forward
    over rows × width tokens, so the width (``top_k``) shrinks as more rows draft, to the pool's
    ``top_k`` over the rows (at least 1): the rows together read what one row reads at full width (on
@@ -116,6 +121,7 @@ class StepPlan:
     predicted: float = 0.0  # expected tokens of the trees chosen (filled by select)
     predicted_seconds: float = 0.0  # the verify forward and walk of the trees chosen, as modelled (by select)
     pools: dict[int, Tree] = field(default_factory=dict)  # request id -> its drafted pool (filled by select)
+    probe_of: int = 0  # a probe of a shut batch by a few of its rows: the rows that would draft otherwise
 
 
 @dataclass
@@ -193,6 +199,7 @@ class AutoPolicy:
     draft: DraftCost = field(default_factory=DraftCost)
     ema: float = 0.1  # weight of a step in a row's gate (a short run of rejections does not shut it)
     min_wait: int = 1
+    probe_share: float = 0.25  # the share of its rows that probe a shut batch (at least one)
     max_wait: int = 32
     plain_every: int = 64
     spread: float = 1.5  # a row this many square roots of the tokens to go ahead of the last is worth 1/e of it
@@ -259,15 +266,22 @@ class AutoPolicy:
             rows = [st for st in rows if step >= st.gate.open_at]
         if not rows:
             return StepPlan([], None)
-        if b > 1 and step < self.gates.setdefault(key, RowGate()).open_at:  # drafting lost at this batch size
+        gate = self.gates.setdefault(key, RowGate())
+        if b > 1 and step < gate.open_at:  # drafting lost at this batch size
             self.stats.setdefault(key, dict.fromkeys(STATS, 0.0))["held"] += 1
             return StepPlan([], None)
-        spec = self.pool
-        if self.narrow and len(rows) > 1:  # rows x width tokens per depth: at most one row's full width
-            spec = replace(spec, top_k=max(spec.top_k // len(rows), 1))
+        spec, of = self.pool, len(rows)
+        if self.narrow and of > 1:  # rows x width tokens per depth: at most one row's full width
+            spec = replace(spec, top_k=max(spec.top_k // of, 1))
+        few = max(int(of * self.probe_share), 1)
+        if b > 1 and gate.probing and gate.saved is not None and few < of:
+            # a shut batch is probed by the rows likeliest to pay: the others' drafters need not catch up
+            rows = sorted(rows, key=lambda st: (-self.acceptance.reach(st.rid, 1), st.rid))[:few]
+        else:
+            of = 0
         grow = Grow(self, rows, b, spec.top_k, min(spec.depth, max(map(_room, rows))),
                     weights=[weights[st.rid] for st in rows])
-        return StepPlan(rows, spec, grow, weights=weights)
+        return StepPlan(rows, spec, grow, weights=weights, probe_of=of)
 
     def select(self, live: list[RequestState], plan: StepPlan, pools: list[Tree], draft_seconds: float) -> list[Tree]:
         """Every live row's tree to verify: the best nodes of the drafted ``pools`` (one per drafting row)
@@ -378,10 +392,18 @@ class AutoPolicy:
             expected = sum(self.acceptance.values(st.rid, t)[1:]) * f  # believed after this step
             likely += expected
             self._gate(st.gate, acc * per_token, spent, expected * per_token, step)
-        if b > 1 and self.curves.at(b).measured_at(q):  # a batch of one is its row's gate; no cold shapes
-            self._gate(self.gates.setdefault(key, RowGate()), sum(accepted) * plain / b,
-                       modelled + beyond, likely * plain / b, step,
-                       keep=True)
+        if b == 1 or not self.curves.at(b).measured_at(q):  # a batch of one is its row's gate; no cold shapes
+            return
+        gate = self.gates.setdefault(key, RowGate())
+        if plan.probe_of:  # judged as the step of all its rows that it stands for, and not in the means
+            k = plan.probe_of / r
+            spent = self.draft.estimate(plan.probe_of, depth, plain) + beyond * k
+            if sum(accepted) * k * plain / b < spent and likely * k * plain / b < spent:
+                self._shut(gate, step)
+            else:
+                gate.probing = False
+        else:
+            self._gate(gate, sum(accepted) * plain / b, modelled + beyond, likely * plain / b, step, keep=True)
 
     def _gate(self, g: RowGate, saved: float, spent: float, likely: float, step: int, keep: bool = False) -> None:
         """Weighs one drafted step (``likely``: the seconds the trees drafted are believed to save, after it).

@@ -409,8 +409,9 @@ def test_a_request_whose_drafts_turn_good_drafts_again_within_a_bounded_wait(tin
 
 def test_a_batch_where_drafting_loses_decodes_plainly_and_drafts_again_within_a_bounded_wait(tiny_target):
     """At batch 4 the batch's own gate weighs each drafted step as a whole: while every row's drafts are
-    rejected it holds the batch to plain steps (probes further and further apart), and once they turn good
-    the batch drafts again within the longest wait, its rows' waits having run meanwhile."""
+    rejected it holds the batch to plain steps (probes further and further apart, each by one of its rows),
+    and once they turn good the batch drafts again within the longest wait, its rows' waits having run
+    meanwhile."""
     model = tiny_target.model
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [4, 3, 2, 1], [8, 8, 9, 9]]
     switch = len(prompts[0]) + 80
@@ -418,7 +419,11 @@ def test_a_batch_where_drafting_loses_decodes_plainly_and_drafts_again_within_a_
     pol = _modelled(proposer)
     engine = Engine(model, proposer=proposer, policy=pol)
     drafted_at = _drafted_at(pol)
+    plans, plan = [], pol.plan
+    pol.plan = lambda live, step: plans.append(plan(live, step)) or plans[-1]
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=200, stop_at_eos=False))
+    probes = [p for p in plans if p.probe_of]
+    assert probes and all(len(p.drafting) == 1 and 2 <= p.probe_of <= 4 for p in probes)
     report = pol.report()[4]
     assert report["held_steps"] > 10 and report["held_steps"] <= report["plain_steps"]
     before = [n for n in drafted_at if n < switch]
