@@ -47,8 +47,8 @@ A step, for a batch of ``B`` rows:
    the step), the batch decodes plainly and probes again after the doubling wait; the rows' own waits
    run meanwhile. A step believed to pay keeps the batch drafting, but only its mean paying starts its
    waits over, so a batch size that loses probes further and further apart. A shut batch is probed by a
-   quarter of the rows that would draft (``probe_share``, at least one: those the acceptance model
-   likes best), so that the others' drafters need not read every token since they last drafted (a new
+   quarter of the rows that would draft (``probe_share``, but at least ``probe_least``: the step of one
+   row says little, so a batch of 4 probes whole; those the acceptance model likes best), so that the others' drafters need not read every token since they last drafted (a new
    request's whole prompt) for a probe that loses; the probe is judged as the step of all those rows it
    stands for (its tokens, believed and accepted, and its verify beyond plain, scaled by their number;
    the draft as the draft cost model prices it for all of them), and it stays out of the means. A batch
@@ -199,7 +199,8 @@ class AutoPolicy:
     draft: DraftCost = field(default_factory=DraftCost)
     ema: float = 0.1  # weight of a step in a row's gate (a short run of rejections does not shut it)
     min_wait: int = 1
-    probe_share: float = 0.25  # the share of its rows that probe a shut batch (at least one)
+    probe_share: float = 0.25  # the share of its rows that probe a shut batch,
+    probe_least: int = 4  # but at least these (one row's probe says little: a batch of 4 probes whole)
     max_wait: int = 32
     plain_every: int = 64
     spread: float = 1.5  # a row this many square roots of the tokens to go ahead of the last is worth 1/e of it
@@ -273,7 +274,7 @@ class AutoPolicy:
         spec, of = self.pool, len(rows)
         if self.narrow and of > 1:  # rows x width tokens per depth: at most one row's full width
             spec = replace(spec, top_k=max(spec.top_k // of, 1))
-        few = max(int(of * self.probe_share), 1)
+        few = max(int(of * self.probe_share), self.probe_least, 1)
         if b > 1 and gate.probing and gate.saved is not None and few < of:
             # a shut batch is probed by the rows likeliest to pay: the others' drafters need not catch up
             rows = sorted(rows, key=lambda st: (-self.acceptance.reach(st.rid, 1), st.rid))[:few]

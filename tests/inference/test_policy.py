@@ -417,6 +417,7 @@ def test_a_batch_where_drafting_loses_decodes_plainly_and_drafts_again_within_a_
     switch = len(prompts[0]) + 80
     proposer = _TurnsGood(model, switch)
     pol = _modelled(proposer)
+    pol.probe_least = 1  # a quarter of 4 rows probes a shut batch
     engine = Engine(model, proposer=proposer, policy=pol)
     drafted_at = _drafted_at(pol)
     plans, plan = [], pol.plan
