@@ -48,8 +48,9 @@ A step, for a batch of ``B`` rows:
    run meanwhile. A step believed to pay keeps the batch drafting, but only its mean paying starts its
    waits over, so a batch size that loses probes further and further apart. A shut batch is probed by a
    quarter of the rows that would draft (``probe_share``, but at least ``probe_least``: the step of one
-   row says little, so a batch of 4 probes whole; those the acceptance model likes best), so that the others' drafters need not read every token since they last drafted (a new
-   request's whole prompt) for a probe that loses; the probe is judged as the step of all those rows it
+   row says little, so a batch of 4 probes whole; those the acceptance model likes best), so that the
+   others' drafters need not read every token since they last drafted (a new request's whole prompt)
+   for a probe that loses; the probe is judged as the step of all those rows it
    stands for (its tokens, believed and accepted, and its verify beyond plain, scaled by their number;
    the draft as the draft cost model prices it for all of them), and it stays out of the means. A batch
    of one row is its row's gate.
